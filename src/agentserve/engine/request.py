@@ -1,0 +1,137 @@
+"""Requests, their sampling parameters and the outputs the engine returns."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NewType
+
+from agentserve.kv.block_pool import BlockId
+from agentserve.kv.hashing import BlockHash, ExtraKeys
+
+RequestId = NewType("RequestId", str)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int | None = None  # None: no top-k cut
+    max_tokens: int = 16
+    min_tokens: int = 0  # end-of-sequence is ignored before this many tokens
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # end-of-sequence, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class Request:
+    """Scheduler-owned state of one request.
+
+    Invariant: 0 <= num_computed_tokens <= len(token_ids) - 1 while running (the last token's
+    KV is computed in the step that samples the next one); block_ids covers the computed tokens
+    plus those scheduled; block_ids[:num_cached_blocks] are published in the prefix cache.
+    """
+
+    request_id: RequestId
+    token_ids: list[int]  # prompt followed by the generated tokens
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    extra_keys: ExtraKeys
+    arrival_time: float
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[BlockId] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks of token_ids
+    num_cached_blocks: int = 0
+    num_reused_tokens: int | None = None  # prefix-cache hit at first admission
+    num_recomputed_tokens: int = 0  # tokens computed again after a preemption
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request. Token counts are cumulative."""
+
+    request_id: RequestId
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_reused_tokens: int  # prompt tokens served from the prefix cache
+    num_prefilled_tokens: int  # prompt tokens computed (prompt - reused)
+    num_generated_tokens: int
+    num_recomputed_tokens: int  # extra work from preemption
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    matched_stop: str | None = None  # the stop string that ended the request (not in the text)
+
+
+def make_output(
+    request: Request, new_token_ids: tuple[int, ...], matched_stop: str | None = None
+) -> RequestOutput:
+    reused = request.num_reused_tokens or 0
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=new_token_ids,
+        finished=request.status is RequestStatus.FINISHED,
+        finish_reason=request.finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_reused_tokens=reused,
+        num_prefilled_tokens=request.num_prompt_tokens - reused,
+        num_generated_tokens=request.num_output_tokens,
+        num_recomputed_tokens=request.num_recomputed_tokens,
+        arrival_time=request.arrival_time,
+        first_scheduled_time=request.first_scheduled_time,
+        first_token_time=request.first_token_time,
+        matched_stop=matched_stop,
+    )

@@ -1,0 +1,246 @@
+"""schedule() -> Batch ; update(batch, sampled) -> outputs. No tensors here.
+
+Each request's num_computed_tokens catches up to its num_tokens: a prompt is computed in
+chunks under the step's token budget, a running request then computes one token per step, and
+prefill chunks and decodes share a step. Running requests go first, in admission order; new
+ones are admitted while budget, sequence slots and free blocks last (optimistic: no blocks are
+reserved for future decode steps). When a running request cannot get a block, the most recently
+admitted running request is preempted: its blocks are freed last-first so its shared prefix
+stays cached, and it is recomputed later from whatever prefix is still cached.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from agentserve.config import SchedulerConfig
+from agentserve.engine.request import (
+    FinishReason,
+    Request,
+    RequestId,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    make_output,
+)
+from agentserve.kv.block_pool import BlockId, BlockPool
+from agentserve.kv.hashing import extend_block_hashes
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """One request's work in a step: compute KV for token_ids at positions start_position..."""
+
+    request_id: RequestId
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_ids: tuple[BlockId, ...]  # block table covering start_position + len(token_ids)
+    sample: bool  # the chunk reaches the last token: sample the next one
+    sampling: SamplingParams
+    output_index: int  # index of the token to be sampled among the outputs (seeded sampling)
+    suppressed_token_ids: tuple[int, ...]  # may not be sampled (stop ids before min_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[RequestId, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        assert pool.block_size == config.block_size
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[RequestId, Request] = {}
+
+    # ── admission and removal ─────────────────────────────────────────────────────────────
+    def add(self, request: Request) -> None:
+        """Queue a request; raises ValueError if it can never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        n, limit = request.num_tokens, self.config.max_model_len
+        if n >= limit:
+            raise ValueError(f"prompt has {n} tokens; the model's context is {limit} (prompt + at least 1 generated)")
+        needed = _cdiv(n + 1, self.pool.block_size)
+        if needed > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt of {n} tokens needs {needed} KV blocks; the pool has {self.pool.num_blocks}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request_id: RequestId, reason: FinishReason) -> Request | None:
+        """End a request (abort, stop string): free its blocks at once. None if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self._free_blocks(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ── schedule ──────────────────────────────────────────────────────────────────────────
+    def schedule(self, now: float) -> Batch:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[RequestId] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._grow(request, n, preempted):
+                continue  # request itself was preempted; running[i] is now the next one
+            chunks.append(self._chunk(request, n, now))
+            budget -= n
+            i += 1
+        if not preempted:
+            budget = self._admit(budget, chunks, now)
+        return Batch(chunks=tuple(chunks), preempted=tuple(preempted))
+
+    def _grow(self, request: Request, n: int, preempted: list[RequestId]) -> bool:
+        """Give request blocks for n more tokens, preempting from the back. False if the
+        request had to preempt itself."""
+        need = _cdiv(request.num_computed_tokens + n, self.pool.block_size) - len(request.block_ids)
+        while need > self.pool.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        if need > 0:
+            request.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._free_blocks(request)
+        request.num_recomputed_tokens += request.num_computed_tokens
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _admit(self, budget: int, chunks: list[ScheduledChunk], now: float) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            matched = self._match(request)
+            computed = len(matched) * self.pool.block_size
+            n = min(request.num_tokens - computed, budget)
+            need = _cdiv(computed + n, self.pool.block_size) - len(matched)
+            revived = sum(1 for b in matched if self.pool.ref_count(b) == 0)
+            if need > self.pool.num_free_blocks - revived:
+                break
+            self.waiting.popleft()
+            self.pool.lock(matched)
+            request.block_ids = matched + self.pool.allocate(need)
+            request.num_cached_blocks = len(matched)
+            if request.num_reused_tokens is None:
+                request.num_reused_tokens = min(computed, request.num_prompt_tokens)
+            else:  # back after preemption: the hit is recomputation avoided
+                request.num_recomputed_tokens -= min(computed, request.num_recomputed_tokens)
+            request.num_computed_tokens = computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, n, now))
+            budget -= n
+        return budget
+
+    def _match(self, request: Request) -> list[BlockId]:
+        """Longest cached prefix in full blocks, leaving at least one token to compute."""
+        if not self.config.enable_prefix_caching:
+            return []
+        bs = self.pool.block_size
+        extend_block_hashes(request.block_hashes, request.token_ids, bs, request.extra_keys)
+        max_blocks = (request.num_tokens - 1) // bs
+        return self.pool.match_prefix(request.block_hashes[:max_blocks])
+
+    def _chunk(self, request: Request, n: int, now: float) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=tuple(request.token_ids[start : start + n]),
+            start_position=start,
+            block_ids=tuple(request.block_ids),
+            sample=start + n == request.num_tokens,
+            sampling=request.sampling,
+            output_index=request.num_output_tokens,
+            suppressed_token_ids=self._suppressed(request),
+        )
+
+    def _suppressed(self, request: Request) -> tuple[int, ...]:
+        sp = request.sampling
+        if request.num_output_tokens + 1 >= sp.min_tokens:
+            return ()
+        eos = () if sp.ignore_eos else self.config.eos_token_ids
+        return tuple(sorted(set(eos) | set(sp.stop_token_ids)))
+
+    # ── update ────────────────────────────────────────────────────────────────────────────
+    def update(self, batch: Batch, sampled: Mapping[RequestId, int], now: float) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for chunk in batch.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted between schedule and update
+            request.num_computed_tokens += len(chunk.token_ids)
+            self._publish(request)
+            if not chunk.sample:
+                continue
+            token = sampled[chunk.request_id]
+            request.token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.finish(request.request_id, reason)
+            outputs.append(make_output(request, (token,)))
+        return outputs
+
+    def _publish(self, request: Request) -> None:
+        """Enter newly computed full blocks into the prefix cache."""
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.pool.block_size
+        num_full = request.num_computed_tokens // bs
+        if num_full <= request.num_cached_blocks:
+            return
+        extend_block_hashes(request.block_hashes, request.token_ids, bs, request.extra_keys)
+        for i in range(request.num_cached_blocks, num_full):
+            self.pool.insert(request.block_ids[i], request.block_hashes[i])
+        request.num_cached_blocks = num_full
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        sp = request.sampling
+        n_out = request.num_output_tokens
+        is_eos = not sp.ignore_eos and token in self.config.eos_token_ids
+        if n_out >= sp.min_tokens and (is_eos or token in sp.stop_token_ids):
+            return FinishReason.STOP
+        if n_out >= sp.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _free_blocks(self, request: Request) -> None:
+        self.pool.free(reversed(request.block_ids))
+        request.block_ids = []
+        request.num_cached_blocks = 0

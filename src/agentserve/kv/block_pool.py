@@ -1,0 +1,140 @@
+"""The device KV block pool: fixed-size blocks, ref counts, an LRU free list and the prefix index.
+
+Every block is in exactly one of two states:
+
+| state    | ref_count | in free list | may hold a hash (be cached)            |
+|----------|-----------|--------------|----------------------------------------|
+| in use   | >= 1      | no           | yes, once its tokens are computed      |
+| free     | 0         | yes          | yes: reusable until evicted            |
+
+The free list is ordered by eviction priority, head first. Blocks without a hash hold nothing
+reusable and go to the head; cached blocks go to the tail in the order given to `free`
+(callers pass a request's blocks last-first, so a shared prefix outlives its private suffix).
+`allocate` pops from the head and evicts the hash of a cached block it takes. An OrderedDict
+gives O(1) push at either end, pop at the head and removal from the middle (a cache hit on a
+free block).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+from agentserve.kv.hashing import BlockHash
+
+BlockId = NewType("BlockId", int)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    num_blocks: int
+    num_used: int  # referenced by at least one request
+    num_cached: int  # holding a hash (used or free)
+    num_free: int  # unreferenced, allocatable (cached ones among them are evictable)
+    num_evictions: int  # cached blocks whose hash was dropped to reuse the block, ever
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._ref_count = [0] * num_blocks
+        self._hash_of: list[BlockHash | None] = [None] * num_blocks
+        self._block_of: dict[BlockHash, BlockId] = {}
+        self._free: OrderedDict[BlockId, None] = OrderedDict((BlockId(i), None) for i in range(num_blocks))
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def ref_count(self, block_id: BlockId) -> int:
+        return self._ref_count[block_id]
+
+    def block_hash(self, block_id: BlockId) -> BlockHash | None:
+        return self._hash_of[block_id]
+
+    def match_prefix(self, hashes: Sequence[BlockHash]) -> list[BlockId]:
+        """Blocks holding the longest cached prefix of `hashes`. Takes no reference."""
+        matched: list[BlockId] = []
+        for h in hashes:
+            block_id = self._block_of.get(h)
+            if block_id is None:
+                break
+            matched.append(block_id)
+        return matched
+
+    def lock(self, block_ids: Iterable[BlockId]) -> None:
+        """Take a reference on each block (a cache hit); a free block leaves the free list."""
+        for b in block_ids:
+            if self._ref_count[b] == 0:
+                del self._free[b]
+            self._ref_count[b] += 1
+
+    def allocate(self, n: int) -> list[BlockId]:
+        """Take n blocks from the head of the free list, evicting their cached hashes."""
+        if n > len(self._free):
+            raise MemoryError(f"asked for {n} KV blocks, {len(self._free)} free")
+        out: list[BlockId] = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            h = self._hash_of[b]
+            if h is not None:
+                del self._block_of[h]
+                self._hash_of[b] = None
+                self.num_evictions += 1
+            self._ref_count[b] = 1
+            out.append(b)
+        return out
+
+    def free(self, block_ids: Iterable[BlockId]) -> None:
+        """Drop one reference from each block, in eviction order: first given, first evicted."""
+        for b in block_ids:
+            assert self._ref_count[b] > 0, f"block {b} freed more often than taken"
+            self._ref_count[b] -= 1
+            if self._ref_count[b] == 0:
+                self._free[b] = None
+                if self._hash_of[b] is None:
+                    self._free.move_to_end(b, last=False)
+
+    def insert(self, block_id: BlockId, block_hash: BlockHash) -> bool:
+        """Publish a computed, full, in-use block under its hash. False if that hash is already
+        held by another block (two requests computed the same block at once): this block then
+        stays private and goes to the head of the free list when freed."""
+        assert self._ref_count[block_id] > 0, "only an in-use block can be published"
+        assert self._hash_of[block_id] is None, f"block {block_id} already cached"
+        if block_hash in self._block_of:
+            return False
+        self._block_of[block_hash] = block_id
+        self._hash_of[block_id] = block_hash
+        return True
+
+    def stats(self) -> PoolStats:
+        return PoolStats(
+            num_blocks=self.num_blocks,
+            num_used=self.num_blocks - len(self._free),
+            num_cached=len(self._block_of),
+            num_free=len(self._free),
+            num_evictions=self.num_evictions,
+        )
+
+    def check(self) -> None:
+        """Assert every invariant in the module docstring."""
+        for b in range(self.num_blocks):
+            in_free = BlockId(b) in self._free
+            assert self._ref_count[b] >= 0
+            assert in_free == (self._ref_count[b] == 0), f"block {b}: ref/free-list mismatch"
+            h = self._hash_of[b]
+            if h is not None:
+                assert self._block_of.get(h) == b, f"block {b}: hash not indexed"
+        assert len(self._block_of) == sum(h is not None for h in self._hash_of)
+        seen_cached = False
+        for b in self._free:  # uncached free blocks all precede cached ones
+            if self._hash_of[b] is not None:
+                seen_cached = True
+            else:
+                assert not seen_cached, f"uncached free block {b} behind a cached one"

@@ -1,0 +1,45 @@
+"""Build a ready Runner from a model directory: device, dtype, weights, KV pool size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from agentserve.config import CacheConfig
+from agentserve.model.config import ModelConfig
+from agentserve.model.loader import load_weights
+from agentserve.model.runner import ModelRunner, num_blocks_for_memory
+from agentserve.model.transformer import Transformer
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not supported; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltRunner:
+    runner: ModelRunner
+    num_blocks: int
+    device: str
+
+
+def build_runner(model_dir: Path, config: ModelConfig, dtype: str, device: str | None,
+                 cache: CacheConfig, seed: int) -> BuiltRunner:
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    weights = {k: v.to(dev) for k, v in load_weights(model_dir, dt).items()}
+    model = Transformer(config, weights)
+    num_blocks = cache.num_blocks or num_blocks_for_memory(config, cache.block_size, cache.memory_gib, dt)
+    runner = ModelRunner(model, num_blocks, cache.block_size, dt, dev, seed=seed)
+    return BuiltRunner(runner=runner, num_blocks=num_blocks, device=str(dev))

@@ -1,0 +1,72 @@
+"""Runner: Batch (plain records) -> tensors -> forward -> sampled token ids.
+
+Never mutates a request; owns the KV tensors and the unseeded-sampling generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentserve.engine.request import RequestId
+from agentserve.engine.scheduler import Batch
+from agentserve.model.config import ModelConfig
+from agentserve.model.sampler import sample
+from agentserve.model.transformer import ChunkLayout, PagedKV, Transformer
+
+
+def num_blocks_for_memory(config: ModelConfig, block_size: int, memory_gib: float,
+                          dtype: torch.dtype) -> int:
+    """How many KV blocks fit in memory_gib."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_block = 2 * config.num_layers * config.num_kv_heads * config.head_dim * elem * block_size
+    return max(1, int(memory_gib * 2**30) // per_block)
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.kv = PagedKV(model.config, num_blocks, block_size, dtype, device)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def _slots(self, block_ids: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
+        blocks = torch.tensor(block_ids, dtype=torch.int64)
+        positions = torch.arange(start, stop, dtype=torch.int64)
+        return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def run(self, batch: Batch) -> dict[RequestId, int]:
+        token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        write_slots: list[torch.Tensor] = []
+        layouts: list[ChunkLayout] = []
+        logit_rows: list[int] = []
+        for c in batch.chunks:
+            n, start = len(c.token_ids), c.start_position
+            context = self._slots(c.block_ids, 0, start + n)
+            layouts.append(ChunkLayout(len(token_ids), n, start, context.to(self.device)))
+            token_ids.extend(c.token_ids)
+            positions.append(torch.arange(start, start + n, dtype=torch.int64))
+            write_slots.append(context[start:])
+            if c.sample:
+                logit_rows.append(len(token_ids) - 1)
+        dev = self.device
+        logits = self.model.forward(
+            torch.tensor(token_ids, dtype=torch.int64, device=dev),
+            torch.cat(positions).to(dev),
+            torch.cat(write_slots).to(dev),
+            layouts,
+            self.kv,
+            torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+        )
+        sampled_chunks = [c for c in batch.chunks if c.sample]
+        tokens = sample(
+            logits,
+            [c.sampling for c in sampled_chunks],
+            [c.output_index for c in sampled_chunks],
+            [c.suppressed_token_ids for c in sampled_chunks],
+            self.generator,
+        )
+        return {c.request_id: t for c, t in zip(sampled_chunks, tokens, strict=True)}

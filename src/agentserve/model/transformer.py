@@ -1,0 +1,138 @@
+"""Qwen2 / Qwen3 / Llama decoder forward over a paged KV pool.
+
+The three architectures differ only in q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3),
+so one module serves all; parameter names are Hugging Face's so HF checkpoints load as they are.
+The forward takes a flat batch: the tokens of every scheduled chunk concatenated, their
+positions, the KV slot each token writes, and per chunk the slots of its whole context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from agentserve.model.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLayout:
+    """One chunk of the flat batch: rows [row_start, row_start + num_rows) of the input,
+    attending to context slots `context_slots` (its first start_position + num_rows tokens)."""
+
+    row_start: int
+    num_rows: int
+    start_position: int
+    context_slots: torch.Tensor  # [context_len] int64 slot ids into the KV pool
+
+
+class PagedKV:
+    """K and V of every layer: [num_slots, num_kv_heads, head_dim], slot = block * size + offset."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Computed in fp32 and cast back, as the reference implementations do.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [num_tokens, head_dim] for rotate-half RoPE."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Transformer:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        self.w = weights
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = weights.get("lm_head.weight", self.embed)
+        self.layers = [self._layer_weights(i) for i in range(config.num_layers)]
+        self.scale = config.head_dim ** -0.5
+
+    def _layer_weights(self, i: int) -> dict[str, torch.Tensor | None]:
+        p = f"model.layers.{i}."
+        names = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                 "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
+        out: dict[str, torch.Tensor | None] = {n: self.w[p + n] for n in names}
+        for n in ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+                  "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+            out[n] = self.w.get(p + n)
+        return out
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+                chunks: list[ChunkLayout], kv: PagedKV, logit_rows: torch.Tensor) -> torch.Tensor:
+        """token_ids, positions, write_slots: [num_tokens]; returns fp32 logits for the rows in
+        logit_rows: [len(logit_rows), vocab]."""
+        cfg = self.config
+        h = self.embed[token_ids]  # [num_tokens, hidden]
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, h.dtype)
+        for i, lw in enumerate(self.layers):
+            x = rms_norm(h, lw["input_layernorm.weight"], cfg.rms_norm_eps)
+            h = h + self._attention(x, lw, cos, sin, write_slots, chunks, kv.k[i], kv.v[i])
+            x = rms_norm(h, lw["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            gate = F.linear(x, lw["mlp.gate_proj.weight"])
+            up = F.linear(x, lw["mlp.up_proj.weight"])
+            h = h + F.linear(F.silu(gate) * up, lw["mlp.down_proj.weight"])
+        last = rms_norm(h[logit_rows], self.w["model.norm.weight"], cfg.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()
+
+    def _attention(self, x: torch.Tensor, lw: dict[str, torch.Tensor | None], cos: torch.Tensor,
+                   sin: torch.Tensor, write_slots: torch.Tensor, chunks: list[ChunkLayout],
+                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        n = x.shape[0]
+        q = F.linear(x, lw["self_attn.q_proj.weight"], lw["self_attn.q_proj.bias"]).view(n, cfg.num_heads, cfg.head_dim)
+        k = F.linear(x, lw["self_attn.k_proj.weight"], lw["self_attn.k_proj.bias"]).view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = F.linear(x, lw["self_attn.v_proj.weight"], lw["self_attn.v_proj.bias"]).view(n, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, lw["self_attn.q_norm.weight"], cfg.rms_norm_eps)
+            k = rms_norm(k, lw["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache.index_copy_(0, write_slots, k)
+        v_cache.index_copy_(0, write_slots, v)
+        out = torch.empty_like(q)  # [num_tokens, heads, head_dim]
+        for c in chunks:
+            out[c.row_start : c.row_start + c.num_rows] = self._chunk_attention(
+                q[c.row_start : c.row_start + c.num_rows], c, k_cache, v_cache)
+        return F.linear(out.view(n, -1), lw["self_attn.o_proj.weight"])
+
+    def _chunk_attention(self, q: torch.Tensor, c: ChunkLayout, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor) -> torch.Tensor:
+        # q: [rows, heads, dim]; keys/values: [context, kv_heads, dim] gathered from the pool
+        keys = k_cache.index_select(0, c.context_slots).transpose(0, 1).unsqueeze(0)
+        values = v_cache.index_select(0, c.context_slots).transpose(0, 1).unsqueeze(0)
+        query = q.transpose(0, 1).unsqueeze(0)
+        context = c.context_slots.shape[0]
+        if c.num_rows == 1:
+            mask, causal = None, False  # a decode token sees its whole context
+        elif c.start_position == 0:
+            mask, causal = None, True
+        else:  # row r sits at position start + r and sees keys up to there
+            rows = torch.arange(c.num_rows, device=q.device)[:, None] + c.start_position
+            mask, causal = torch.arange(context, device=q.device)[None, :] <= rows, False
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
+                                           scale=self.scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
