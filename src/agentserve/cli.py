@@ -16,7 +16,6 @@ from pathlib import Path
 # Subcommand modules, imported lazily so `agentserve analyze` never pays for torch.
 _COMMANDS: dict[str, str] = {
     "demo": "agentserve.demo",
-    "generate": "agentserve.generate_cli",
     "bench": "agentserve.bench.cli",
     "analyze": "agentserve.analyze.cli",
 }

@@ -37,6 +37,7 @@ class ModelRunner:
         positions = torch.arange(start, stop, dtype=torch.int64)
         return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
 
+    @torch.inference_mode()
     def run(self, batch: Batch) -> dict[RequestId, int]:
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []

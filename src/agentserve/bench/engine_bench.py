@@ -1,0 +1,118 @@
+"""`agentserve bench engine`: our engine against transformers on the same weights and dtype,
+measured side by side in one run.
+
+Rows: prefill tokens/s on a 1,000-token prompt; decode tokens/s at batch 1; total decode
+tokens/s with 8 concurrent requests (transformers runs them one at a time); and the machine's
+measured bf16/fp32 matmul GFLOP/s, whose prefill ceiling is GFLOP/s / (2 x parameters).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import transformers
+
+from agentserve.api import LLM
+from agentserve.engine.request import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRow:
+    metric: str
+    agentserve: float
+    transformers: float
+    unit: str
+
+    @property
+    def ratio(self) -> float:
+        return self.agentserve / self.transformers
+
+
+def best_of(n: int, fn: Callable[[], float]) -> float:
+    """Fastest of n timings (seconds): the least disturbed by other load on a shared machine."""
+    return min(fn() for _ in range(n))
+
+
+def matmul_gflops(dtype: torch.dtype, m: int = 1024, k: int = 896, n: int = 4864) -> float:
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    torch.matmul(a, b)
+
+    def once() -> float:
+        t = time.perf_counter()
+        for _ in range(5):
+            torch.matmul(a, b)
+        return (time.perf_counter() - t) / 5
+
+    return 2 * m * k * n / best_of(3, once) / 1e9
+
+
+class HFSide:
+    def __init__(self, model_dir, dtype: torch.dtype) -> None:
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32).to(dtype).eval()
+
+    @torch.inference_mode()
+    def prefill_s(self, ids: list[int]) -> float:
+        t = time.perf_counter()
+        self.model(torch.tensor([ids]), logits_to_keep=1)
+        return time.perf_counter() - t
+
+    @torch.inference_mode()
+    def generate_s(self, ids: list[int], n: int) -> float:
+        t = time.perf_counter()
+        self.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t
+
+
+def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, min(vocab, 100_000)) for _ in range(n)]
+
+
+def run_bench(model: str, dtype: str, cache_root, prompt_len: int = 1000, decode_tokens: int = 64,
+              concurrency: int = 8, repeats: int = 2) -> list[BenchRow]:
+    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False, cache_root=cache_root)
+    hf = HFSide(llm.model_dir, getattr(torch, dtype))
+    vocab = llm.model_config.vocab_size
+    long_prompt = prompt_ids(vocab, prompt_len, 0)
+    short = [prompt_ids(vocab, 32, s) for s in range(concurrency)]
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    gen = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+
+    def ours_prefill() -> float:
+        return llm.generate([long_prompt], one)[0].latency_s
+
+    def ours_decode(prompts: list[list[int]]) -> Callable[[], float]:
+        def once() -> float:
+            t = time.perf_counter()
+            outs = llm.generate(prompts, gen)
+            return (time.perf_counter() - t) - max(o.time_to_first_token_s or 0 for o in outs)
+        return once
+
+    hf_prefill = best_of(repeats, lambda: hf.prefill_s(long_prompt))
+    our_prefill = best_of(repeats, ours_prefill)
+    # decode time = generate(n) - prefill (generate(1)) on the same prompt
+    hf_dec1 = best_of(repeats, lambda: hf.generate_s(short[0], decode_tokens) - hf.generate_s(short[0], 1))
+    our_dec1 = best_of(repeats, ours_decode(short[:1]))
+    hf_seq = best_of(1, lambda: sum(hf.generate_s(p, decode_tokens) - hf.generate_s(p, 1) for p in short))
+    our_conc = best_of(repeats, ours_decode(short))
+    n_dec = decode_tokens - 1
+    gflops = matmul_gflops(getattr(torch, dtype))
+    params = sum(p.numel() for p in hf.model.parameters())
+    return [
+        BenchRow(f"prefill tok/s ({prompt_len}-token prompt)", prompt_len / our_prefill, prompt_len / hf_prefill, "tok/s"),
+        BenchRow("decode tok/s, batch 1", n_dec / our_dec1, n_dec / hf_dec1, "tok/s"),
+        BenchRow(f"decode tok/s, {concurrency} requests (HF: one at a time)",
+                 concurrency * n_dec / our_conc, concurrency * n_dec / hf_seq, "tok/s"),
+        BenchRow(f"matmul GFLOP/s ({dtype}); prefill ceiling tok/s = {gflops * 1e9 / (2 * params):.0f}",
+                 gflops, gflops, "GFLOP/s"),
+    ]
+
+
+def rows_as_dicts(rows: list[BenchRow]) -> list[dict[str, object]]:
+    return [dict(asdict(r), ratio=r.ratio) for r in rows]

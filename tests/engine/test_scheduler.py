@@ -1,0 +1,174 @@
+"""Scheduler and engine with a fake runner: budgets, chunking, reuse, preemption, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentserve.config import SchedulerConfig
+from agentserve.engine.engine import Engine
+from agentserve.engine.request import FinishReason, SamplingParams
+from agentserve.engine.scheduler import Batch, Scheduler
+from agentserve.kv.block_pool import BlockPool
+
+
+class FakeRunner:
+    """Samples (last token + 1) % vocab; records every batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[Batch] = []
+
+    def run(self, batch: Batch) -> dict:
+        self.batches.append(batch)
+        return {c.request_id: (c.token_ids[-1] + 1) % 1000 for c in batch.chunks if c.sample}
+
+
+def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, caching=True, eos=(999,)):
+    runner = FakeRunner()
+    cfg = SchedulerConfig(max_model_len=200, block_size=block_size, max_num_seqs=max_seqs,
+                          max_num_batched_tokens=budget, enable_prefix_caching=caching,
+                          eos_token_ids=eos)
+    clock = iter(range(10**6)).__next__
+    engine = Engine(Scheduler(cfg, BlockPool(num_blocks, block_size)), runner, "fake", 1000,
+                    clock=lambda: float(clock()))
+    return engine, runner
+
+
+def drain(engine):
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        engine.scheduler.pool.check()
+    return outs
+
+
+def test_chunked_prefill_respects_budget_and_mixes_with_decode():
+    engine, runner = make(budget=8)
+    a = engine.add(list(range(6)), SamplingParams(max_tokens=4))
+    engine.step()  # a: 6 prompt tokens, samples
+    b = engine.add(list(range(100, 120)), SamplingParams(max_tokens=2))
+    drain(engine)
+    for batch in runner.batches:
+        assert batch.num_tokens <= 8
+    second = runner.batches[1]
+    assert [(c.request_id, len(c.token_ids)) for c in second.chunks] == [(a, 1), (b, 7)]
+    assert not second.chunks[1].sample  # a prefill chunk that does not reach the end
+
+
+def test_agent_turn_reuses_full_blocks_of_previous_prompt_and_reply():
+    engine, _ = make(block_size=4)
+    prompt = list(range(10))
+    engine.add(prompt, SamplingParams(max_tokens=5))
+    out = drain(engine)
+    (rid, outs), = out.items()
+    reply = [t for o in outs for t in o.new_token_ids]
+    assert reply == [10, 11, 12, 13, 14]
+    # computed KV: prompt + reply[:-1] = 14 tokens -> 3 full blocks (12 tokens)
+    nxt = prompt + reply + [500, 501, 502]
+    engine.add(nxt, SamplingParams(max_tokens=1))
+    (outs2,) = drain(engine).values()
+    assert outs2[-1].num_reused_tokens == 12
+    assert outs2[-1].num_prefilled_tokens == len(nxt) - 12
+
+
+def test_fully_cached_prompt_still_computes_last_token():
+    engine, _ = make(block_size=4)
+    engine.add(list(range(8)), SamplingParams(max_tokens=1))
+    drain(engine)
+    engine.add(list(range(9)), SamplingParams(max_tokens=1))  # blocks [0..3], [4..7] cached
+    (o,) = drain(engine).values()
+    assert o[-1].num_reused_tokens == 8
+    engine.add(list(range(8)), SamplingParams(max_tokens=1))  # 8 tokens: only 1 block reusable
+    (o,) = drain(engine).values()
+    assert o[-1].num_reused_tokens == 4
+
+
+def test_no_reuse_without_prefix_caching_or_across_salts():
+    engine, _ = make(caching=False)
+    engine.add(list(range(12)), SamplingParams(max_tokens=1))
+    drain(engine)
+    engine.add(list(range(13)), SamplingParams(max_tokens=1))
+    assert list(drain(engine).values())[0][-1].num_reused_tokens == 0
+    engine, _ = make()
+    engine.add(list(range(12)), SamplingParams(max_tokens=1), cache_salt="tenant-a")
+    drain(engine)
+    engine.add(list(range(13)), SamplingParams(max_tokens=1), cache_salt="tenant-b")
+    assert list(drain(engine).values())[0][-1].num_reused_tokens == 0
+
+
+def test_preemption_frees_last_admitted_and_recomputes():
+    engine, runner = make(num_blocks=6, block_size=4, budget=64)
+    a = engine.add(list(range(8)), SamplingParams(max_tokens=8, ignore_eos=True))
+    b = engine.add(list(range(200, 208)), SamplingParams(max_tokens=8, ignore_eos=True))
+    out = drain(engine)
+    assert sum(len(o.new_token_ids) for o in out[a]) == 8
+    assert sum(len(o.new_token_ids) for o in out[b]) == 8
+    assert any(b in batch.preempted for batch in runner.batches)
+    assert not any(a in batch.preempted for batch in runner.batches)
+    assert out[b][-1].num_recomputed_tokens > 0
+
+
+def test_stop_conditions():
+    engine, _ = make(eos=(5,))
+    a = engine.add([1, 2], SamplingParams(max_tokens=10))  # 3, 4, 5=eos
+    b = engine.add([1, 2], SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(7,)))
+    c = engine.add([1, 2], SamplingParams(max_tokens=2))
+    out = drain(engine)
+    assert [o.new_token_ids[0] for o in out[a]] == [3, 4, 5]
+    assert out[a][-1].finish_reason is FinishReason.STOP
+    assert [o.new_token_ids[0] for o in out[b]] == [3, 4, 5, 6, 7]
+    assert out[c][-1].finish_reason is FinishReason.LENGTH
+
+
+def test_min_tokens_suppresses_eos_in_the_sampler():
+    engine, runner = make(eos=(5,))
+    engine.add([1, 2], SamplingParams(max_tokens=10, min_tokens=4))
+    engine.step()
+    assert runner.batches[0].chunks[0].suppressed_token_ids == (5,)
+
+
+def test_abort_frees_blocks_and_others_continue():
+    engine, _ = make()
+    a = engine.add(list(range(20)), SamplingParams(max_tokens=50, ignore_eos=True))
+    b = engine.add(list(range(30, 40)), SamplingParams(max_tokens=3))
+    engine.step()
+    used = engine.scheduler.pool.stats().num_used
+    out = engine.abort(a)
+    assert out is not None and out.finish_reason is FinishReason.ABORT
+    assert engine.scheduler.pool.stats().num_used < used
+    assert engine.abort(a) is None
+    rest = drain(engine)
+    assert rest[b][-1].finished and a not in rest
+
+
+@pytest.mark.parametrize(
+    "tokens, params, message",
+    [
+        ([], SamplingParams(), "prompt is empty"),
+        (list(range(200)), SamplingParams(), "prompt has 200 tokens; the model's context is 200"),
+        ([1, 1000], SamplingParams(), r"token ids out of range \[0, 1000\): \[1000\]"),
+        ([1, -3], SamplingParams(), r"out of range"),
+    ],
+)
+def test_bad_input_is_rejected_and_engine_keeps_serving(tokens, params, message):
+    engine, _ = make()
+    good = engine.add([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=message):
+        engine.add(tokens, params)
+    out = drain(engine)
+    assert list(out) == [good] and out[good][-1].finished
+
+
+def test_bad_sampling_params():
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+
+
+def test_prompt_larger_than_pool_is_rejected():
+    engine, _ = make(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="needs 3 KV blocks; the pool has 2"):
+        engine.add(list(range(8)), SamplingParams())
