@@ -66,8 +66,10 @@ class LLM:
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib)
-        built = build_runner(self.model_dir, self.model_config, dtype, device, cache, seed)
+        built = build_runner(self.model_dir, self.model_config, dtype, device, cache, seed,
+                             tokenizer=self.tokenizer)
         self.device = built.device
+        self.runner = built.runner
         self.scheduler_config = SchedulerConfig(
             max_model_len=min(max_model_len or self.model_config.max_position_embeddings,
                               self.model_config.max_position_embeddings),

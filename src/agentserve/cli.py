@@ -16,6 +16,7 @@ from pathlib import Path
 # Subcommand modules, imported lazily so `agentserve analyze` never pays for torch.
 _COMMANDS: dict[str, str] = {
     "demo": "agentserve.demo",
+    "serve": "agentserve.server.cli",
     "bench": "agentserve.bench.cli",
     "analyze": "agentserve.analyze.cli",
 }

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import NewType, Protocol, overload
 
 from agentserve.kv.block_pool import BlockId
 from agentserve.kv.hashing import BlockHash, ExtraKeys
 
 RequestId = NewType("RequestId", str)
+
+
+@dataclass(frozen=True, slots=True)
+class Guide:
+    """Constrained decoding: every sampled token keeps the output a prefix of a valid JSON value
+    of this schema, and the request ends when the value is complete."""
+
+    json_schema: str  # serialized JSON schema
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +32,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +55,20 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+class TokenIds(Protocol):
+    """A request's tokens: a list in the engine; the simulator passes a virtual sequence whose
+    slices are O(1) (it has counts and block hashes, not token values)."""
+
+    def __len__(self) -> int: ...
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> TokenIds: ...
+    def __iter__(self) -> Iterator[int]: ...
+    def append(self, token_id: int) -> None: ...
+    def extend(self, token_ids: Sequence[int]) -> None: ...
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -64,10 +88,12 @@ class Request:
     Invariant: 0 <= num_computed_tokens <= len(token_ids) - 1 while running (the last token's
     KV is computed in the step that samples the next one); block_ids covers the computed tokens
     plus those scheduled; block_ids[:num_cached_blocks] are published in the prefix cache.
+    block_hashes[i] is the hash of full block i of token_ids; the engine extends it as blocks
+    fill, a simulator may give it up front (trace hashes, including blocks not yet generated).
     """
 
     request_id: RequestId
-    token_ids: list[int]  # prompt followed by the generated tokens
+    token_ids: TokenIds  # prompt followed by the generated tokens (a list in the engine)
     num_prompt_tokens: int
     sampling: SamplingParams
     extra_keys: ExtraKeys
@@ -93,7 +119,7 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
+    def output_token_ids(self) -> TokenIds:
         return self.token_ids[self.num_prompt_tokens :]
 
 

@@ -12,7 +12,7 @@ stays cached, and it is recomputed later from whatever prefix is still cached.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from agentserve.config import SchedulerConfig
@@ -25,6 +25,7 @@ from agentserve.engine.request import (
     SamplingParams,
     make_output,
 )
+from agentserve.engine.decode_run import DecodeOp, decode_horizon, plan_events
 from agentserve.kv.block_pool import BlockId, BlockPool
 from agentserve.kv.hashing import extend_block_hashes
 
@@ -34,7 +35,7 @@ class ScheduledChunk:
     """One request's work in a step: compute KV for token_ids at positions start_position..."""
 
     request_id: RequestId
-    token_ids: tuple[int, ...]
+    token_ids: Sequence[int]  # a tuple in the engine; a virtual slice in the simulator
     start_position: int
     block_ids: tuple[BlockId, ...]  # block table covering start_position + len(token_ids)
     sample: bool  # the chunk reaches the last token: sample the next one
@@ -47,6 +48,7 @@ class ScheduledChunk:
 class Batch:
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[RequestId, ...]
+    finished: tuple[RequestId, ...] = ()  # ended since the last batch: runner state to drop
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +59,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _frozen(token_ids: Sequence[int]) -> Sequence[int]:
+    """A list slice becomes a tuple; a virtual sequence's slice is already immutable."""
+    return tuple(token_ids) if isinstance(token_ids, list) else token_ids
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
         assert pool.block_size == config.block_size
@@ -65,6 +72,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
+        self._finished: list[RequestId] = []
 
     # ── admission and removal ─────────────────────────────────────────────────────────────
     def add(self, request: Request) -> None:
@@ -92,6 +100,7 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self._free_blocks(request)
+        self._finished.append(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         return request
@@ -115,7 +124,10 @@ class Scheduler:
             i += 1
         if not preempted:
             budget = self._admit(budget, chunks, now)
-        return Batch(chunks=tuple(chunks), preempted=tuple(preempted))
+        finished: tuple[RequestId, ...] = ()
+        if chunks:  # an empty batch is not run: keep the list for the next one
+            finished, self._finished = tuple(self._finished), []
+        return Batch(chunks=tuple(chunks), preempted=tuple(preempted), finished=finished)
 
     def _grow(self, request: Request, n: int, preempted: list[RequestId]) -> bool:
         """Give request blocks for n more tokens, preempting from the back. False if the
@@ -180,7 +192,7 @@ class Scheduler:
             request.first_scheduled_time = now
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=tuple(request.token_ids[start : start + n]),
+            token_ids=_frozen(request.token_ids[start : start + n]),
             start_position=start,
             block_ids=tuple(request.block_ids),
             sample=start + n == request.num_tokens,
@@ -244,3 +256,31 @@ class Scheduler:
         self.pool.free(reversed(request.block_ids))
         request.block_ids = []
         request.num_cached_blocks = 0
+
+    # ── runs of pure decode steps (the simulator's fast path) ────────────────────────────
+    def decode_horizon(self) -> int:
+        """How many next steps are pure decode steps (engine/decode_run.py): decode_ahead(k)
+        for any k up to this number is exactly k schedule/update steps. 0 when there are none."""
+        return decode_horizon(self.running, len(self.waiting), self.config, self.pool.num_free_blocks)
+
+    def decode_ahead(self, num_steps: int, token_id: int) -> list[RequestOutput]:
+        """Take num_steps pure decode steps at once, every running request sampling token_id
+        each step; one output per request with all its new tokens."""
+        assert 0 < num_steps <= self.decode_horizon()
+        running, bs = self.running, self.pool.block_size
+        for r in running:
+            sp = r.sampling
+            assert token_id not in sp.stop_token_ids and (sp.ignore_eos or token_id not in self.config.eos_token_ids)
+        start = [r.num_computed_tokens for r in running]
+        for step, op, i in plan_events(running, num_steps, bs, self.config.enable_prefix_caching):
+            r = running[i]
+            if op == DecodeOp.ALLOCATE.value:
+                r.block_ids.extend(self.pool.allocate(1))
+            else:
+                r.num_computed_tokens = start[i] + step + 1
+                self._publish(r)
+        new = (token_id,) * num_steps
+        for i, r in enumerate(running):
+            r.num_computed_tokens = start[i] + num_steps
+            r.token_ids.extend(new)
+        return [make_output(r, new) for r in running]

@@ -7,20 +7,21 @@ Every block is in exactly one of two states:
 | in use   | >= 1      | no           | yes, once its tokens are computed      |
 | free     | 0         | yes          | yes: reusable until evicted            |
 
-The free list is ordered by eviction priority, head first. Blocks without a hash hold nothing
-reusable and go to the head; cached blocks go to the tail in the order given to `free`
+Free blocks are taken in eviction order, head first. Blocks without a hash hold nothing
+reusable and come first, most recently freed first; then the cached free blocks, in the order
+an `EvictionPolicy` chooses. The default, `LruEviction`, keeps them in the order given to `free`
 (callers pass a request's blocks last-first, so a shared prefix outlives its private suffix).
-`allocate` pops from the head and evicts the hash of a cached block it takes. An OrderedDict
-gives O(1) push at either end, pop at the head and removal from the middle (a cache hit on a
-free block).
+`allocate` takes from the head and evicts the hash of a cached block it takes. OrderedDicts give
+O(1) push at either end, pop at the head and removal from the middle (a cache hit on a free
+block).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import NewType, Protocol
 
 from agentserve.kv.hashing import BlockHash
 
@@ -36,8 +37,42 @@ class PoolStats:
     num_evictions: int  # cached blocks whose hash was dropped to reuse the block, ever
 
 
+class EvictionPolicy(Protocol):
+    """Which free cached block gives up its hash next. It holds exactly the free blocks that
+    hold a hash: `push` when one becomes free, `remove` when a cache hit takes it back, `pop`
+    to choose the victim. Iteration is in eviction order (for check() and tests)."""
+
+    def push(self, block_id: BlockId, block_hash: BlockHash) -> None: ...
+    def remove(self, block_id: BlockId) -> None: ...
+    def pop(self) -> BlockId: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[BlockId]: ...
+
+
+class LruEviction:
+    """Least recently freed first: pushes go to the tail, pops come from the head."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[BlockId, None] = OrderedDict()
+
+    def push(self, block_id: BlockId, block_hash: BlockHash) -> None:
+        self._order[block_id] = None
+
+    def remove(self, block_id: BlockId) -> None:
+        del self._order[block_id]
+
+    def pop(self) -> BlockId:
+        return self._order.popitem(last=False)[0]
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self) -> Iterator[BlockId]:
+        return iter(self._order)
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -45,12 +80,20 @@ class BlockPool:
         self._ref_count = [0] * num_blocks
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._block_of: dict[BlockHash, BlockId] = {}
-        self._free: OrderedDict[BlockId, None] = OrderedDict((BlockId(i), None) for i in range(num_blocks))
+        # free and uncached, head first; free and cached live in the eviction policy
+        self._uncached: OrderedDict[BlockId, None] = OrderedDict((BlockId(i), None) for i in range(num_blocks))
+        self._evictable: EvictionPolicy = LruEviction() if eviction is None else eviction
+        assert len(self._evictable) == 0, "the eviction policy must start empty"
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._uncached) + len(self._evictable)
+
+    @property
+    def _free(self) -> list[BlockId]:
+        """All free blocks in eviction order, head first (a copy)."""
+        return [*self._uncached, *self._evictable]
 
     def ref_count(self, block_id: BlockId) -> int:
         return self._ref_count[block_id]
@@ -72,16 +115,20 @@ class BlockPool:
         """Take a reference on each block (a cache hit); a free block leaves the free list."""
         for b in block_ids:
             if self._ref_count[b] == 0:
-                del self._free[b]
+                if self._hash_of[b] is None:
+                    del self._uncached[b]
+                else:
+                    self._evictable.remove(b)
             self._ref_count[b] += 1
 
     def allocate(self, n: int) -> list[BlockId]:
         """Take n blocks from the head of the free list, evicting their cached hashes."""
-        if n > len(self._free):
-            raise MemoryError(f"asked for {n} KV blocks, {len(self._free)} free")
+        if n > self.num_free_blocks:
+            raise MemoryError(f"asked for {n} KV blocks, {self.num_free_blocks} free")
         out: list[BlockId] = []
+        uncached = self._uncached
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
+            b = uncached.popitem(last=False)[0] if uncached else self._evictable.pop()
             h = self._hash_of[b]
             if h is not None:
                 del self._block_of[h]
@@ -97,9 +144,12 @@ class BlockPool:
             assert self._ref_count[b] > 0, f"block {b} freed more often than taken"
             self._ref_count[b] -= 1
             if self._ref_count[b] == 0:
-                self._free[b] = None
-                if self._hash_of[b] is None:
-                    self._free.move_to_end(b, last=False)
+                h = self._hash_of[b]
+                if h is None:
+                    self._uncached[b] = None
+                    self._uncached.move_to_end(b, last=False)
+                else:
+                    self._evictable.push(b, h)
 
     def insert(self, block_id: BlockId, block_hash: BlockHash) -> bool:
         """Publish a computed, full, in-use block under its hash. False if that hash is already
@@ -116,16 +166,19 @@ class BlockPool:
     def stats(self) -> PoolStats:
         return PoolStats(
             num_blocks=self.num_blocks,
-            num_used=self.num_blocks - len(self._free),
+            num_used=self.num_blocks - self.num_free_blocks,
             num_cached=len(self._block_of),
-            num_free=len(self._free),
+            num_free=self.num_free_blocks,
             num_evictions=self.num_evictions,
         )
 
     def check(self) -> None:
         """Assert every invariant in the module docstring."""
+        free = self._free
+        assert len(set(free)) == len(free) == self.num_free_blocks, "a block is free twice"
+        free_set = set(free)
         for b in range(self.num_blocks):
-            in_free = BlockId(b) in self._free
+            in_free = BlockId(b) in free_set
             assert self._ref_count[b] >= 0
             assert in_free == (self._ref_count[b] == 0), f"block {b}: ref/free-list mismatch"
             h = self._hash_of[b]
@@ -133,7 +186,7 @@ class BlockPool:
                 assert self._block_of.get(h) == b, f"block {b}: hash not indexed"
         assert len(self._block_of) == sum(h is not None for h in self._hash_of)
         seen_cached = False
-        for b in self._free:  # uncached free blocks all precede cached ones
+        for b in free:  # uncached free blocks all precede cached ones
             if self._hash_of[b] is not None:
                 seen_cached = True
             else:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from agentserve.config import CacheConfig
 from agentserve.model.config import ModelConfig
+from agentserve.model.guided import GuidedDecoding
 from agentserve.model.loader import load_weights
 from agentserve.model.runner import ModelRunner, num_blocks_for_memory
 from agentserve.model.transformer import Transformer
@@ -36,10 +38,12 @@ class BuiltRunner:
 
 
 def build_runner(model_dir: Path, config: ModelConfig, dtype: str, device: str | None,
-                 cache: CacheConfig, seed: int) -> BuiltRunner:
+                 cache: CacheConfig, seed: int, tokenizer: Any = None) -> BuiltRunner:
+    """tokenizer enables constrained decoding (its token table is built on first use)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     weights = {k: v.to(dev) for k, v in load_weights(model_dir, dt).items()}
     model = Transformer(config, weights)
     num_blocks = cache.num_blocks or num_blocks_for_memory(config, cache.block_size, cache.memory_gib, dt)
-    runner = ModelRunner(model, num_blocks, cache.block_size, dt, dev, seed=seed)
+    guided = None if tokenizer is None else GuidedDecoding(tokenizer, config.vocab_size)
+    runner = ModelRunner(model, num_blocks, cache.block_size, dt, dev, seed=seed, guided=guided)
     return BuiltRunner(runner=runner, num_blocks=num_blocks, device=str(dev))

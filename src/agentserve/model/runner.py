@@ -10,6 +10,7 @@ import torch
 from agentserve.engine.request import RequestId
 from agentserve.engine.scheduler import Batch
 from agentserve.model.config import ModelConfig
+from agentserve.model.guided import GuidedDecoding
 from agentserve.model.sampler import sample
 from agentserve.model.transformer import ChunkLayout, PagedKV, Transformer
 
@@ -24,8 +25,9 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory_gib: floa
 
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, seed: int = 0) -> None:
+                 device: torch.device, seed: int = 0, guided: GuidedDecoding | None = None) -> None:
         self.model = model
+        self.guided = guided
         self.block_size = block_size
         self.device = device
         self.kv = PagedKV(model.config, num_blocks, block_size, dtype, device)
@@ -63,6 +65,9 @@ class ModelRunner:
             torch.tensor(logit_rows, dtype=torch.int64, device=dev),
         )
         sampled_chunks = [c for c in batch.chunks if c.sample]
+        if self.guided is not None:
+            self.guided.release(batch.finished)
+            self.guided.mask(logits, [(c.request_id, c.sampling.guide) for c in sampled_chunks])
         tokens = sample(
             logits,
             [c.sampling for c in sampled_chunks],
@@ -70,4 +75,7 @@ class ModelRunner:
             [c.suppressed_token_ids for c in sampled_chunks],
             self.generator,
         )
+        if self.guided is not None:
+            for c, t in zip(sampled_chunks, tokens, strict=True):
+                self.guided.accept(c.request_id, t)
         return {c.request_id: t for c, t in zip(sampled_chunks, tokens, strict=True)}

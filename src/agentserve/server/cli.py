@@ -1,0 +1,53 @@
+"""`agentserve serve`: the OpenAI-compatible server on one model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from agentserve.server.tool_parsers import get_parser
+
+
+def build_state(args: argparse.Namespace):
+    from agentserve.api import LLM
+    from agentserve.server.app import ServerState
+
+    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=not args.no_prefix_caching,
+              block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
+              device=args.device, cache_root=args.cache_root)
+    if llm.runner.guided is not None:
+        llm.runner.guided.warm()  # constrained decoding's token table: built now, not on a request
+    return ServerState(llm=llm, model_name=args.served_model_name or args.model,
+                       tool_parser=get_parser(args.tool_parser))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from agentserve.server.app import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state = build_state(args)
+    uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--tool-parser", default="auto", choices=["auto", "hermes", "json", "qwen3_xml"])
+    p.set_defaults(func=run)

@@ -1,0 +1,215 @@
+"""Tool-call parsers: one per output format, behind one interface.
+
+- hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (closing tag optional at the end)
+- json: the whole reply is `{"name": ..., "arguments": ...}` (or a list of them), optionally in
+  a ```json fence: what the bundled Qwen2.5-Coder-0.5B actually writes
+- qwen3_xml: `<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`
+
+A parser only reports calls to tools the request offered; anything else stays content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedOutput:
+    content: str | None
+    calls: tuple[ToolCall, ...]
+
+
+class ToolParser(Protocol):
+    # Where a call may begin, for streaming to hold text back: `markers` anywhere in the reply,
+    # `start_markers` only as its first non-blank text.
+    markers: tuple[str, ...]
+    start_markers: tuple[str, ...]
+
+    def parse(self, text: str, tools: Mapping[str, dict[str, Any]]) -> ParsedOutput | None:
+        """The calls in text, or None when this format does not apply."""
+        ...
+
+
+def _call_from_obj(obj: Any, tools: Mapping[str, dict[str, Any]]) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in tools:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _calls_from_json(text: str, tools: Mapping[str, dict[str, Any]]) -> list[ToolCall] | None:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    objs = obj if isinstance(obj, list) else [obj]
+    calls = [_call_from_obj(o, tools) for o in objs]
+    if not calls or any(c is None for c in calls):
+        return None
+    return calls  # type: ignore[return-value]
+
+
+def _content(text: str) -> str | None:
+    """Text before a call; trailing whitespace dropped (streaming holds it back too)."""
+    text = text.rstrip()
+    return text or None
+
+
+class HermesParser:
+    markers = ("<tool_call>",)
+    start_markers = ()
+    _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str, tools: Mapping[str, dict[str, Any]]) -> ParsedOutput | None:
+        start = text.find("<tool_call>")
+        if start < 0:
+            return None
+        calls: list[ToolCall] = []
+        for body in self._block.findall(text, start):
+            if body.lstrip().startswith("<function="):
+                return None  # the XML form, not ours
+            found = _calls_from_json(body.strip(), tools)
+            if found is None:
+                return None
+            calls.extend(found)
+        return ParsedOutput(_content(text[:start]), tuple(calls)) if calls else None
+
+
+class JsonParser:
+    markers = ()
+    start_markers = ("{", "[", "```")
+    _fence = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
+
+    def parse(self, text: str, tools: Mapping[str, dict[str, Any]]) -> ParsedOutput | None:
+        body = text.strip()
+        fenced = self._fence.match(body)
+        if fenced:
+            body = fenced.group(1).strip()
+        calls = _calls_from_json(body, tools)
+        return ParsedOutput(None, tuple(calls)) if calls else None
+
+
+class Qwen3XmlParser:
+    markers = ("<tool_call>", "<function=")
+    start_markers = ()
+    _function = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.DOTALL)
+    _param = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+    def parse(self, text: str, tools: Mapping[str, dict[str, Any]]) -> ParsedOutput | None:
+        start = text.find("<function=")
+        if start < 0:
+            return None
+        tag = text.rfind("<tool_call>", 0, start)
+        content_end = tag if tag >= 0 else start
+        calls = []
+        for name, body in self._function.findall(text, start):
+            if name not in tools:
+                return None
+            props = tools[name].get("parameters", {}).get("properties", {})
+            args = {p: _xml_value(v, props.get(p, {})) for p, v in self._param.findall(body)}
+            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+        return ParsedOutput(_content(text[:content_end]), tuple(calls)) if calls else None
+
+
+def _xml_value(raw: str, schema: Mapping[str, Any]) -> Any:
+    """Parameter text to a JSON value: strings stay text, other declared types parse as JSON."""
+    if schema.get("type", "string") == "string":
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+
+def get_parser(name: str) -> ToolParser:
+    parsers = {"hermes": HermesParser(), "json": JsonParser(), "qwen3_xml": Qwen3XmlParser()}
+    if name == "auto":
+        return AnyParser(tuple(parsers.values()))
+    if name not in parsers:
+        raise ValueError(f"unknown tool parser {name!r}; choose one of auto, {', '.join(parsers)}")
+    return parsers[name]
+
+
+class AnyParser:
+    """Tries each format in turn: the first that finds calls wins."""
+
+    def __init__(self, parsers: Sequence[ToolParser]) -> None:
+        self.parsers = tuple(parsers)
+        self.markers = tuple(dict.fromkeys(m for p in parsers for m in p.markers))
+        self.start_markers = tuple(dict.fromkeys(m for p in parsers for m in p.start_markers))
+
+    def parse(self, text: str, tools: Mapping[str, dict[str, Any]]) -> ParsedOutput | None:
+        for p in self.parsers:
+            out = p.parse(text, tools)
+            if out is not None:
+                return out
+        return None
+
+
+def extract(parser: ToolParser, text: str, tools: Mapping[str, dict[str, Any]]) -> ParsedOutput:
+    """Content and calls of a whole reply; a reply with no calls is all content."""
+    return parser.parse(text, tools) or ParsedOutput(text if text else None, ())
+
+
+class StreamingToolParser:
+    """Text deltas in, content deltas out; calls at the end.
+
+    Invariant: the content emitted so far is always a prefix of the final content, so a
+    streamed reply and the same reply parsed at once give the same content and calls. Text
+    that may still turn out to be a call is held back: all of it once the reply opens with a
+    start marker, else from the first marker (or a suffix that could grow into one), and
+    trailing whitespace."""
+
+    def __init__(self, parser: ToolParser, tools: Mapping[str, dict[str, Any]]) -> None:
+        self.parser = parser
+        self.tools = tools
+        self.text = ""
+        self.emitted = 0
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        end = max(self.emitted, self._safe_end())
+        out, self.emitted = self.text[self.emitted : end], end
+        return out
+
+    def finish(self) -> tuple[str, ParsedOutput]:
+        """The content not yet emitted, and the whole parsed reply."""
+        parsed = extract(self.parser, self.text, self.tools)
+        content = parsed.content or ""
+        rest = content[self.emitted :] if content.startswith(self.text[: self.emitted]) else ""
+        self.emitted = len(self.text)
+        return rest, parsed
+
+    def _safe_end(self) -> int:
+        s = self.text
+        body = s.lstrip()
+        if not body or any(m.startswith(body[: len(m)]) for m in self.parser.start_markers):
+            return 0
+        end = len(s.rstrip())
+        for m in self.parser.markers:
+            i = s.find(m)
+            if i >= 0:
+                end = min(end, i)
+            for k in range(min(len(m) - 1, len(s)), 0, -1):  # a marker may be starting
+                if s.endswith(m[:k]):
+                    end = min(end, len(s) - k)
+                    break
+        return len(s[:end].rstrip())
