@@ -172,3 +172,16 @@ def test_prompt_larger_than_pool_is_rejected():
     engine, _ = make(num_blocks=2, block_size=4)
     with pytest.raises(ValueError, match="needs 3 KV blocks; the pool has 2"):
         engine.add(list(range(8)), SamplingParams())
+
+
+def test_request_waits_for_a_prefix_being_computed_instead_of_computing_it_twice():
+    engine, runner = make(block_size=4, budget=64)
+    shared = list(range(12))
+    a = engine.add(shared + [100, 101], SamplingParams(max_tokens=2))
+    b = engine.add(shared + [200, 201], SamplingParams(max_tokens=2))
+    c = engine.add([300, 301, 302], SamplingParams(max_tokens=2))  # shares nothing: not held
+    out = drain(engine)
+    first = runner.batches[0]
+    assert [ch.request_id for ch in first.chunks] == [a, c]
+    assert out[b][-1].num_reused_tokens == 12
+    assert out[a][-1].num_reused_tokens == 0

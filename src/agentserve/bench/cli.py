@@ -32,6 +32,30 @@ def _engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agent(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from agentserve.bench.agent_bench import run_agent_bench, write_json
+
+    workload = Path(args.workload)
+    if not workload.is_file():
+        raise SystemExit(f"agentserve bench agent: workload {workload} not found; pass --workload "
+                         "PATH to agent-4x6.json (in ../shared/bench/ beside the checkout)")
+    results, records = asyncio.run(run_agent_bench(args.target, workload, args.think_time, model=args.model))
+    t = Table(title=f"agent-4x6 against {args.target}")
+    for col in ("set", "wall s", "TTFT 2-6 p50 / p90 s", "TTFT turn 1 p50 s", "cached 2-6",
+                "cached turn 1", "generated tok/s"):
+        t.add_column(col, justify="right")
+    for r in results:
+        t.add_row(r.set_name, f"{r.wall_s:.1f}", f"{r.ttft_later_p50_s:.2f} / {r.ttft_later_p90_s:.2f}",
+                  f"{r.ttft_turn1_p50_s:.2f}", f"{r.cached_later:.1%}", f"{r.cached_turn1:.1%}",
+                  f"{r.generated_tok_s:.1f}")
+    Console().print(t)
+    if args.json:
+        write_json(Path(args.json), results, records)
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
     sub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -45,3 +69,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--json", default=None, help="also write the rows to this JSON file")
     e.set_defaults(func=_engine)
+    a = sub.add_parser("agent", help="the agent-4x6 workload against an OpenAI-compatible server")
+    a.add_argument("--target", default="http://127.0.0.1:8000")
+    a.add_argument("--workload", default=str(Path(__file__).resolve().parents[3].parent / "shared" / "bench" / "agent-4x6.json"))
+    a.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    a.add_argument("--think-time", type=float, default=2.0)
+    a.add_argument("--json", default=None)
+    a.set_defaults(func=_agent)

@@ -27,7 +27,7 @@ from agentserve.engine.request import (
 )
 from agentserve.engine.decode_run import DecodeOp, decode_horizon, plan_events
 from agentserve.kv.block_pool import BlockId, BlockPool
-from agentserve.kv.hashing import extend_block_hashes
+from agentserve.kv.hashing import BlockHash, extend_block_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,29 +153,48 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk], now: float) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        """Admit waiting requests in order while budget, slots and blocks last. A request whose
+        next uncached block is being computed right now by a running request waits a step
+        rather than compute it twice (agents starting together share their system prompt)."""
+        in_flight: set[BlockHash] | None = None
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
             matched = self._match(request)
+            if self.config.enable_prefix_caching and len(matched) < len(request.block_hashes):
+                in_flight = self._in_flight() if in_flight is None else in_flight
+                if request.block_hashes[len(matched)] in in_flight:
+                    i += 1
+                    continue
             computed = len(matched) * self.pool.block_size
             n = min(request.num_tokens - computed, budget)
             need = _cdiv(computed + n, self.pool.block_size) - len(matched)
-            revived = sum(1 for b in matched if self.pool.ref_count(b) == 0)
+            revived = self.pool.count_free(matched)
             if need > self.pool.num_free_blocks - revived:
                 break
-            self.waiting.popleft()
-            self.pool.lock(matched)
-            request.block_ids = matched + self.pool.allocate(need)
-            request.num_cached_blocks = len(matched)
-            if request.num_reused_tokens is None:
-                request.num_reused_tokens = min(computed, request.num_prompt_tokens)
-            else:  # back after preemption: the hit is recomputation avoided
-                request.num_recomputed_tokens -= min(computed, request.num_recomputed_tokens)
-            request.num_computed_tokens = computed
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            del self.waiting[i]
+            self._start(request, matched, need, computed)
+            if in_flight is not None:
+                in_flight.update(request.block_hashes[request.num_cached_blocks :])
             chunks.append(self._chunk(request, n, now))
             budget -= n
         return budget
+
+    def _in_flight(self) -> set[BlockHash]:
+        """Hashes of full blocks that running requests are computing (not yet published)."""
+        return {h for r in self.running for h in r.block_hashes[r.num_cached_blocks :]}
+
+    def _start(self, request: Request, matched: list[BlockId], need: int, computed: int) -> None:
+        self.pool.lock(matched)
+        request.block_ids = matched + self.pool.allocate(need)
+        request.num_cached_blocks = len(matched)
+        if request.num_reused_tokens is None:
+            request.num_reused_tokens = min(computed, request.num_prompt_tokens)
+        else:  # back after preemption: the hit is recomputation avoided
+            request.num_recomputed_tokens -= min(computed, request.num_recomputed_tokens)
+        request.num_computed_tokens = computed
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _match(self, request: Request) -> list[BlockId]:
         """Longest cached prefix in full blocks, leaving at least one token to compute."""

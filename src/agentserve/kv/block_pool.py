@@ -39,11 +39,12 @@ class PoolStats:
 
 class EvictionPolicy(Protocol):
     """Which free cached block gives up its hash next. It holds exactly the free blocks that
-    hold a hash: `push` when one becomes free, `remove` when a cache hit takes it back, `pop`
-    to choose the victim. Iteration is in eviction order (for check() and tests)."""
+    hold a hash: `push` those that became free (in the order freed), `remove` those a cache hit
+    takes back, `pop` the victim. Bulk calls keep the per-block cost low. Iteration is in
+    eviction order (for check() and tests)."""
 
-    def push(self, block_id: BlockId, block_hash: BlockHash) -> None: ...
-    def remove(self, block_id: BlockId) -> None: ...
+    def push(self, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]) -> None: ...
+    def remove(self, block_ids: Sequence[BlockId]) -> None: ...
     def pop(self) -> BlockId: ...
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[BlockId]: ...
@@ -55,11 +56,15 @@ class LruEviction:
     def __init__(self) -> None:
         self._order: OrderedDict[BlockId, None] = OrderedDict()
 
-    def push(self, block_id: BlockId, block_hash: BlockHash) -> None:
-        self._order[block_id] = None
+    def push(self, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]) -> None:
+        order = self._order
+        for b in block_ids:  # (a plain loop beats OrderedDict.update several times over)
+            order[b] = None
 
-    def remove(self, block_id: BlockId) -> None:
-        del self._order[block_id]
+    def remove(self, block_ids: Sequence[BlockId]) -> None:
+        order = self._order
+        for b in block_ids:
+            del order[b]
 
     def pop(self) -> BlockId:
         return self._order.popitem(last=False)[0]
@@ -103,23 +108,31 @@ class BlockPool:
 
     def match_prefix(self, hashes: Sequence[BlockHash]) -> list[BlockId]:
         """Blocks holding the longest cached prefix of `hashes`. Takes no reference."""
-        matched: list[BlockId] = []
-        for h in hashes:
-            block_id = self._block_of.get(h)
-            if block_id is None:
-                break
-            matched.append(block_id)
-        return matched
+        found = list(map(self._block_of.get, hashes))  # C-level lookups; cut at the first miss
+        try:
+            return found[: found.index(None)]  # type: ignore[return-value]
+        except ValueError:
+            return found  # type: ignore[return-value]
 
-    def lock(self, block_ids: Iterable[BlockId]) -> None:
-        """Take a reference on each block (a cache hit); a free block leaves the free list."""
+    def count_free(self, block_ids: Sequence[BlockId]) -> int:
+        """How many of these blocks are free (a hit on them takes them off the free list)."""
+        return list(map(self._ref_count.__getitem__, block_ids)).count(0)
+
+    def lock(self, block_ids: Sequence[BlockId]) -> None:
+        """Take a reference on each of these distinct blocks (a cache hit); a free block leaves
+        the free list."""
+        rc = self._ref_count
+        revived = [b for b in block_ids if not rc[b]]
         for b in block_ids:
-            if self._ref_count[b] == 0:
-                if self._hash_of[b] is None:
-                    del self._uncached[b]
-                else:
-                    self._evictable.remove(b)
-            self._ref_count[b] += 1
+            rc[b] += 1
+        if revived:
+            hash_of = self._hash_of
+            cached = [b for b in revived if hash_of[b] is not None]
+            if len(cached) < len(revived):
+                for b in revived:
+                    if hash_of[b] is None:
+                        del self._uncached[b]
+            self._evictable.remove(cached)
 
     def allocate(self, n: int) -> list[BlockId]:
         """Take n blocks from the head of the free list, evicting their cached hashes."""
@@ -140,16 +153,20 @@ class BlockPool:
 
     def free(self, block_ids: Iterable[BlockId]) -> None:
         """Drop one reference from each block, in eviction order: first given, first evicted."""
+        rc, hash_of, uncached = self._ref_count, self._hash_of, self._uncached
+        cached: list[BlockId] = []
         for b in block_ids:
-            assert self._ref_count[b] > 0, f"block {b} freed more often than taken"
-            self._ref_count[b] -= 1
-            if self._ref_count[b] == 0:
-                h = self._hash_of[b]
-                if h is None:
-                    self._uncached[b] = None
-                    self._uncached.move_to_end(b, last=False)
+            n = rc[b] - 1
+            assert n >= 0, f"block {b} freed more often than taken"
+            rc[b] = n
+            if not n:
+                if hash_of[b] is None:
+                    uncached[b] = None
+                    uncached.move_to_end(b, last=False)
                 else:
-                    self._evictable.push(b, h)
+                    cached.append(b)
+        if cached:
+            self._evictable.push(cached, [hash_of[b] for b in cached])  # type: ignore[misc]
 
     def insert(self, block_id: BlockId, block_hash: BlockHash) -> bool:
         """Publish a computed, full, in-use block under its hash. False if that hash is already

@@ -12,7 +12,7 @@ from agentserve.engine.scheduler import Batch
 from agentserve.model.config import ModelConfig
 from agentserve.model.guided import GuidedDecoding
 from agentserve.model.sampler import sample
-from agentserve.model.transformer import ChunkLayout, PagedKV, Transformer
+from agentserve.model.transformer import ChunkLayout, DecodeGroup, PagedKV, Transformer
 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, memory_gib: float,
@@ -39,17 +39,37 @@ class ModelRunner:
         positions = torch.arange(start, stop, dtype=torch.int64)
         return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
 
+    def _decode_group(self, rows: list[int], slots: list[torch.Tensor]) -> DecodeGroup | None:
+        if not rows:
+            return None
+        lengths = [len(x) for x in slots]
+        longest = max(lengths)
+        padded = torch.zeros(len(rows), longest, dtype=torch.int64)  # pads read slot 0, masked out
+        for i, x in enumerate(slots):
+            padded[i, : len(x)] = x
+        mask = None
+        if min(lengths) != longest:
+            mask = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+            mask = mask.to(self.device)
+        return DecodeGroup(torch.tensor(rows, device=self.device), padded.to(self.device), mask)
+
     @torch.inference_mode()
     def run(self, batch: Batch) -> dict[RequestId, int]:
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
         write_slots: list[torch.Tensor] = []
         layouts: list[ChunkLayout] = []
+        decode_rows: list[int] = []
+        decode_slots: list[torch.Tensor] = []
         logit_rows: list[int] = []
         for c in batch.chunks:
             n, start = len(c.token_ids), c.start_position
             context = self._slots(c.block_ids, 0, start + n)
-            layouts.append(ChunkLayout(len(token_ids), n, start, context.to(self.device)))
+            if n == 1:
+                decode_rows.append(len(token_ids))
+                decode_slots.append(context)
+            else:
+                layouts.append(ChunkLayout(len(token_ids), n, start, context.to(self.device)))
             token_ids.extend(c.token_ids)
             positions.append(torch.arange(start, start + n, dtype=torch.int64))
             write_slots.append(context[start:])
@@ -63,6 +83,7 @@ class ModelRunner:
             layouts,
             self.kv,
             torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+            self._decode_group(decode_rows, decode_slots),
         )
         sampled_chunks = [c for c in batch.chunks if c.sample]
         if self.guided is not None:

@@ -27,6 +27,18 @@ class ChunkLayout:
     context_slots: torch.Tensor  # [context_len] int64 slot ids into the KV pool
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """All one-token chunks of a step, attended in one padded call per layer.
+
+    rows: [B] their rows in the flat batch; slots: [B, max_context] context slots, padded;
+    mask: [B, 1, 1, max_context] True where a slot is real (None when no row is padded)."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
 class PagedKV:
     """K and V of every layer: [num_slots, num_kv_heads, head_dim], slot = block * size + offset."""
 
@@ -83,15 +95,16 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
-                chunks: list[ChunkLayout], kv: PagedKV, logit_rows: torch.Tensor) -> torch.Tensor:
-        """token_ids, positions, write_slots: [num_tokens]; returns fp32 logits for the rows in
-        logit_rows: [len(logit_rows), vocab]."""
+                chunks: list[ChunkLayout], kv: PagedKV, logit_rows: torch.Tensor,
+                decode: DecodeGroup | None = None) -> torch.Tensor:
+        """token_ids, positions, write_slots: [num_tokens]; chunks and decode cover every row
+        once; returns fp32 logits for the rows in logit_rows: [len(logit_rows), vocab]."""
         cfg = self.config
         h = self.embed[token_ids]  # [num_tokens, hidden]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, h.dtype)
         for i, lw in enumerate(self.layers):
             x = rms_norm(h, lw["input_layernorm.weight"], cfg.rms_norm_eps)
-            h = h + self._attention(x, lw, cos, sin, write_slots, chunks, kv.k[i], kv.v[i])
+            h = h + self._attention(x, lw, cos, sin, write_slots, chunks, decode, kv.k[i], kv.v[i])
             x = rms_norm(h, lw["post_attention_layernorm.weight"], cfg.rms_norm_eps)
             gate = F.linear(x, lw["mlp.gate_proj.weight"])
             up = F.linear(x, lw["mlp.up_proj.weight"])
@@ -101,7 +114,8 @@ class Transformer:
 
     def _attention(self, x: torch.Tensor, lw: dict[str, torch.Tensor | None], cos: torch.Tensor,
                    sin: torch.Tensor, write_slots: torch.Tensor, chunks: list[ChunkLayout],
-                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                   decode: DecodeGroup | None, k_cache: torch.Tensor, v_cache: torch.Tensor
+                   ) -> torch.Tensor:
         cfg = self.config
         n = x.shape[0]
         q = F.linear(x, lw["self_attn.q_proj.weight"], lw["self_attn.q_proj.bias"]).view(n, cfg.num_heads, cfg.head_dim)
@@ -117,7 +131,20 @@ class Transformer:
         for c in chunks:
             out[c.row_start : c.row_start + c.num_rows] = self._chunk_attention(
                 q[c.row_start : c.row_start + c.num_rows], c, k_cache, v_cache)
+        if decode is not None:
+            out[decode.rows] = self._decode_attention(q[decode.rows], decode, k_cache, v_cache)
         return F.linear(out.view(n, -1), lw["self_attn.o_proj.weight"])
+
+    def _decode_attention(self, q: torch.Tensor, d: DecodeGroup, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor) -> torch.Tensor:
+        # q: [B, heads, dim] -> [B, heads, 1, dim]; keys/values: [B, kv_heads, max_context, dim]
+        b, ctx = d.slots.shape
+        flat = d.slots.reshape(-1)
+        keys = k_cache.index_select(0, flat).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)
+        values = v_cache.index_select(0, flat).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=d.mask,
+                                           scale=self.scale, enable_gqa=True)
+        return o.squeeze(2)
 
     def _chunk_attention(self, q: torch.Tensor, c: ChunkLayout, k_cache: torch.Tensor,
                          v_cache: torch.Tensor) -> torch.Tensor:

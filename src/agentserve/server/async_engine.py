@@ -87,7 +87,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stopping:
-            self._run_commands(block=not self.engine.has_unfinished())
+            if self._run_commands(block=not self.engine.has_unfinished()):
+                self._snapshot()  # an abort changes the pool without a step
             if self._stopping or not self.engine.has_unfinished():
                 continue
             try:
@@ -98,21 +99,25 @@ class AsyncEngine:
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out, out.finished)
-            if self.on_step is not None:
-                s = self.engine.scheduler
-                self.on_step(EngineSnapshot(len(s.running), len(s.waiting), s.pool.stats()))
+            self._snapshot()
 
-    def _run_commands(self, block: bool) -> None:
+    def _snapshot(self) -> None:
+        if self.on_step is not None:
+            s = self.engine.scheduler
+            self.on_step(EngineSnapshot(len(s.running), len(s.waiting), s.pool.stats()))
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run queued commands (waiting up to 0.5 s for one if block); True if any ran."""
         try:
             command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             command()
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _deliver(self, rid: RequestId, item: RequestOutput | EngineFailure, last: bool) -> None:
         stream = self._streams.pop(rid, None) if last else self._streams.get(rid)

@@ -1,0 +1,1 @@
+"""Simulated serving: the engine's own Scheduler and BlockPool, a cost model for the runner."""

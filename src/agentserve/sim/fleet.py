@@ -1,0 +1,238 @@
+"""The fleet simulator: sessions send turns to N replicas through a router, in virtual time.
+
+Events, in (time, kind, sequence) order, step ends before arrivals at equal times:
+- ARRIVAL (chain, turn): build the request (virtual tokens, its planned block ids), route it,
+  add it to that replica's Scheduler; an idle replica starts a step.
+- STEP_END (replica, generation): update the scheduler; finished turns release the chain's
+  next turn (after its think time, or at its trace time) and start its sub-agents; a parent
+  turn that awaits sub-agents is sent when the last of them is done.
+Everything is deterministic for a given plan, start times and config.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from agentserve.config import SchedulerConfig
+from agentserve.engine.request import Request, RequestId, RequestOutput, SamplingParams
+from agentserve.engine.scheduler import Scheduler
+from agentserve.kv.block_pool import BlockPool
+from agentserve.kv.hashing import ExtraKeys
+from agentserve.sim.cost import CostModel
+from agentserve.sim.metrics import RequestRecord, summarize
+from agentserve.sim.oracle import NextUse
+from agentserve.sim.plan import Plan
+from agentserve.sim.policies import PolicyContext, get_policy
+from agentserve.sim.replica import Replica, ReplicaStats
+from agentserve.sim.router import make_router
+from agentserve.sim.tokens import VirtualTokens
+from agentserve.workload.model import Timing
+
+_STEP_END, _ARRIVAL = 0, 1
+_KEYS = ExtraKeys("sim")  # one model, one tenant: block ids alone decide sharing
+
+
+class SimError(ValueError):
+    """A configuration the simulator cannot run; raised before any work is done."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    capacity_tokens: int  # device KV pool per replica, in tokens
+    policy: str = "lru"
+    num_replicas: int = 1
+    router: str = "session-hash"
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    decode_runs: bool = True  # take pure decode steps in runs (same records, much faster)
+    skip_oversized: bool = False  # skip (and count) requests larger than the pool, else refuse
+
+    def __post_init__(self) -> None:
+        get_policy(self.policy)
+        for name in ("capacity_tokens", "num_replicas", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise SimError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    config: SimConfig
+    records: tuple[RequestRecord, ...]
+    session_jct_s: tuple[float, ...]
+    summary: dict[str, float | int]
+    replicas: tuple[ReplicaStats, ...]
+    num_skipped: int
+    wall_s: float
+
+
+def check_capacity(plan: Plan, capacity_tokens: int) -> None:
+    bs = plan.block_size
+    need = max((-(-(t.prompt_tokens + t.output_tokens) // bs) for c in plan.chains for t in c.turns), default=0)
+    if need * bs > capacity_tokens // bs * bs:
+        raise SimError(
+            f"--capacity-tokens {capacity_tokens} is smaller than the largest request of {plan.name} "
+            f"({plan.max_request_tokens} tokens = {need} blocks of {bs}); use at least {need * bs}, "
+            "or skip such requests (--skip-oversized)")
+
+
+def simulate(plan: Plan, starts: Sequence[float], config: SimConfig, cost: CostModel,
+             oracle: Callable[[], NextUse] | None = None) -> SimResult:
+    if not config.skip_oversized:
+        check_capacity(plan, config.capacity_tokens)
+    fleet = _Fleet(plan, starts, config, cost, oracle or (lambda: NextUse(plan, starts)))
+    t0 = time.perf_counter()
+    fleet.run()
+    wall = time.perf_counter() - t0
+    busy = sum(r.stats.busy_s for r in fleet.replicas)
+    makespan = max((r.done_s for r in fleet.records), default=0.0) - min(starts, default=0.0)
+    summary = summarize(fleet.records, fleet.jct, makespan, busy, config.num_replicas)
+    return SimResult(config, tuple(fleet.records), tuple(fleet.jct), summary,
+                     tuple(r.stats for r in fleet.replicas), fleet.num_skipped, wall)
+
+
+class _Fleet:
+    def __init__(self, plan: Plan, starts: Sequence[float], config: SimConfig, cost: CostModel,
+                 oracle: Callable[[], NextUse]) -> None:
+        self.plan, self.config, self.starts = plan, config, starts
+        self.now = 0.0
+        spec = get_policy(config.policy)
+        self.cursor = array("l", [-1]) * len(plan.chains)  # latest turn sent, per chain
+        ctx = PolicyContext(oracle, self.cursor, lambda: self.now)
+        bs = plan.block_size
+        sched = SchedulerConfig(max_model_len=plan.max_request_tokens + 2, block_size=bs,
+                                max_num_seqs=config.max_num_seqs,
+                                max_num_batched_tokens=config.max_num_batched_tokens,
+                                enable_prefix_caching=spec.prefix_caching)
+        self.num_blocks = max(1, config.capacity_tokens // bs)
+        self.replicas = [
+            Replica(i, Scheduler(sched, BlockPool(self.num_blocks, bs, spec.eviction(ctx) if spec.eviction else None)),
+                    cost, config.decode_runs)
+            for i in range(config.num_replicas)]
+        self.router = make_router(config.router)
+        self.records: list[RequestRecord] = []
+        self.jct: list[float] = []
+        self.num_skipped = 0
+        self.seen = bytearray(plan.num_hashes)  # block ids computed so far (an infinite cache)
+        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._seq = itertools.count()
+        self._prev: dict[int, list[int]] = {}  # chain -> block ids of its latest turn
+        self._inflight: dict[RequestId, tuple[int, int, int, int, Request]] = {}
+        self._parent = {child: (c.index, awaited) for c in plan.chains for t in c.turns
+                        for _, awaited, child in t.subagents}
+        self._awaiting = [0] * len(plan.chains)
+        self._wait_end = [0.0] * len(plan.chains)
+        self._origin = [0.0] * len(plan.chains)
+        self._left = [0] * len(plan.sessions)  # requests not yet finished, per session
+        for c in plan.chains:
+            self._left[c.session] += len(c.turns)
+
+    def _push(self, t: float, kind: int, a: int, b: int) -> None:
+        heapq.heappush(self._heap, (t, kind, next(self._seq), a, b))
+
+    def run(self) -> None:
+        for ci, start in zip(self.plan.sessions, self.starts):
+            self._origin[ci] = start
+            self._push(start, _ARRIVAL, ci, 0)
+        while self._heap:
+            t, kind, _, a, b = heapq.heappop(self._heap)
+            self.now = t
+            if kind == _ARRIVAL:
+                self._submit(a, b, t)
+                continue
+            rep = self.replicas[a]
+            if b != rep.generation:
+                continue  # superseded: a decode run was cut short
+            for o in rep.finish(t):
+                if o.finished:
+                    self._finished(o, t)
+            self._start(rep, t)
+        stuck = [r.index for r in self.replicas if r.scheduler.has_unfinished()]
+        assert not stuck, f"replicas {stuck} still hold requests after the last event"
+
+    def _start(self, rep: Replica, now: float) -> None:
+        end = rep.start(now)
+        if end is not None:
+            self._push(end, _STEP_END, rep.index, rep.generation)
+
+    def _submit(self, c: int, j: int, now: float) -> None:
+        chain = self.plan.chains[c]
+        turn = chain.turns[j]
+        if j == 0 and c in self._parent:
+            self._origin[c] = now
+        full = self._prev.get(c, [])[: turn.shared] + turn.new.tolist()
+        self._prev[c] = full
+        self.cursor[c] = j
+        bs = self.plan.block_size
+        if -(-(turn.prompt_tokens + turn.output_tokens) // bs) > self.num_blocks:
+            self.num_skipped += 1
+            self._turn_done(c, j, now, full)
+            return
+        max_blocks = (turn.prompt_tokens - 1) // bs
+        e = min(turn.shared, max_blocks)
+        while e < max_blocks and self.seen[full[e]]:
+            e += 1
+        req = Request(RequestId(f"{c}.{j}"), VirtualTokens(turn.prompt_tokens), turn.prompt_tokens,
+                      SamplingParams(temperature=0.0, max_tokens=turn.output_tokens, ignore_eos=True),
+                      _KEYS, now, block_hashes=full)
+        r = self.router.pick(chain.session, self.replicas)
+        rep = self.replicas[r]
+        end = rep.sync(now)
+        if end is not None:
+            self._push(end, _STEP_END, r, rep.generation)
+        rep.scheduler.add(req)
+        self._inflight[req.request_id] = (c, j, r, e * bs, req)
+        if rep.idle:
+            self._start(rep, now)
+
+    def _finished(self, o: RequestOutput, now: float) -> None:
+        c, j, r, eligible, req = self._inflight.pop(o.request_id)
+        chain = self.plan.chains[c]
+        self.records.append(RequestRecord(
+            chain.session, c, j, r, req.arrival_time, o.first_token_time or now, now, o.num_prompt_tokens,
+            o.num_reused_tokens, max(eligible, o.num_reused_tokens), o.num_recomputed_tokens,
+            o.num_generated_tokens, req.num_preemptions))
+        self._turn_done(c, j, now, req.block_hashes)
+
+    def _turn_done(self, c: int, j: int, now: float, full: list[int]) -> None:
+        chain = self.plan.chains[c]
+        turn = chain.turns[j]
+        seen = self.seen
+        for u in full[turn.shared :]:
+            seen[u] = 1
+        for delay, awaited, child in turn.subagents:
+            self._push(now + delay, _ARRIVAL, child, 0)
+            self._awaiting[c] += awaited
+        self._wait_end[c] = now
+        if self._awaiting[c] == 0:
+            self._next_turn(c, j + 1, now)
+        self._left[chain.session] -= 1
+        if self._left[chain.session] == 0:
+            self.jct.append(now - self.starts[chain.session])
+        if j + 1 == len(chain.turns):
+            self._prev.pop(c, None)
+            self._chain_done(c, now)
+
+    def _chain_done(self, c: int, now: float) -> None:
+        parent = self._parent.get(c)
+        if parent is None or not parent[1]:
+            return
+        p = parent[0]
+        self._awaiting[p] -= 1
+        self._wait_end[p] = max(self._wait_end[p], now)
+        if self._awaiting[p] == 0:
+            self._next_turn(p, self.cursor[p] + 1, self._wait_end[p])
+
+    def _next_turn(self, c: int, j: int, base: float) -> None:
+        chain = self.plan.chains[c]
+        if j >= len(chain.turns):
+            return
+        turn = chain.turns[j]
+        if chain.timing is Timing.THINK:
+            self._push(base + turn.think_s, _ARRIVAL, c, j)
+        else:
+            self._push(max(base, self._origin[c] + turn.offset_s), _ARRIVAL, c, j)

@@ -1,0 +1,44 @@
+"""Reference cache policies, chosen by name. A policy decides whether the prefix cache is on and
+which free cached block to evict; later issues add their own specs to `POLICIES`."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agentserve.kv.block_pool import EvictionPolicy, LruEviction
+from agentserve.sim.oracle import BeladyEviction, NextUse
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """What a policy may look at when it is built for one replica of one run."""
+
+    oracle: Callable[[], NextUse]  # built on first use (it reads the whole plan)
+    cursor: array  # latest turn sent, per chain (the simulator updates it)
+    clock: Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    name: str
+    description: str
+    prefix_caching: bool
+    eviction: Callable[[PolicyContext], EvictionPolicy] | None  # None: no prefix cache
+
+
+POLICIES: tuple[PolicySpec, ...] = (
+    PolicySpec("none", "no prefix cache: every prompt token is computed", False, None),
+    PolicySpec("lru", "prefix cache, least recently freed block evicted first (vLLM, SGLang default)",
+               True, lambda ctx: LruEviction()),
+    PolicySpec("belady", "offline oracle: evict the block whose next use is farthest away",
+               True, lambda ctx: BeladyEviction(ctx.oracle(), ctx.cursor, ctx.clock)),
+)
+
+
+def get_policy(name: str) -> PolicySpec:
+    for p in POLICIES:
+        if p.name == name:
+            return p
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(p.name for p in POLICIES)}")

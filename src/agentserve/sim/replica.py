@@ -1,0 +1,112 @@
+"""One simulated replica: the engine's Scheduler over a BlockPool, stepped in virtual time.
+
+A step is schedule() at its start, then update() at its end (start + the cost model's time);
+requests arriving in between wait for the next schedule(), as on a server. When the next steps
+are pure decode (engine/decode_run.py) the replica takes them as one decode run: it precomputes
+each step's end time and applies them all at the run's end, or, when a request arrives first,
+applies those finished by then and turns the one in progress into an ordinary step, so the
+records equal those of stepping one by one (times to float rounding: a run's time is summed in
+closed form).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentserve.engine.request import RequestOutput
+from agentserve.engine.scheduler import Batch, Scheduler
+from agentserve.sim.cost import CostModel, batch_shape, step_time
+
+SAMPLED_TOKEN = 0  # what every simulated step samples: never a stop token (ignore_eos, no stop ids)
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    busy_s: float = 0.0
+    num_steps: int = 0
+    num_decode_runs: int = 0
+
+
+class Replica:
+    def __init__(self, index: int, scheduler: Scheduler, cost: CostModel, decode_runs: bool = True) -> None:
+        self.index = index
+        self.scheduler = scheduler
+        self.cost = cost
+        self.decode_runs = decode_runs
+        self.stats = ReplicaStats()
+        self.generation = 0  # bumped when the end of the work in flight moves (stale events)
+        self._batch: Batch | None = None  # the ordinary step in flight
+        self._run: tuple[int, int, int] | None = None  # decode run in flight: (seqs, ctx0, steps)
+        self._start = 0.0  # when the step or run in flight began
+
+    @property
+    def idle(self) -> bool:
+        return self._batch is None and self._run is None
+
+    @property
+    def load(self) -> int:
+        s = self.scheduler
+        return len(s.running) + len(s.waiting)
+
+    def start(self, now: float) -> float | None:
+        """Begin the next step or decode run; its end time, or None when there is nothing to do."""
+        assert self.idle
+        sch = self.scheduler
+        if not sch.has_unfinished():
+            return None
+        k = sch.decode_horizon() if self.decode_runs else 0
+        self._start = now
+        if k >= 2:
+            running = sch.running
+            self._run = (len(running), sum(q.num_computed_tokens for q in running) + len(running), k)
+            return self._run_end(k)
+        batch = sch.schedule(now)
+        assert batch.chunks, "unfinished requests but nothing to schedule"
+        self._batch = batch
+        return now + step_time(self.cost, batch_shape(batch))
+
+    def _run_end(self, j: int) -> float:
+        """End of step j-1 of the run in flight (its start for j = 0)."""
+        assert self._run is not None
+        seqs, ctx0, _ = self._run
+        return self._start + self.cost.decode_run_time(seqs, ctx0, j)
+
+    def finish(self, now: float) -> list[RequestOutput]:
+        """End the step or decode run in flight (at its end time)."""
+        self.stats.busy_s += now - self._start
+        if self._run is not None:
+            k, self._run = self._run[2], None
+            self.stats.num_steps += k
+            self.stats.num_decode_runs += 1
+            return self.scheduler.decode_ahead(k, SAMPLED_TOKEN)
+        batch, self._batch = self._batch, None
+        assert batch is not None
+        self.stats.num_steps += 1
+        sampled = {c.request_id: SAMPLED_TOKEN for c in batch.chunks if c.sample}
+        return self.scheduler.update(batch, sampled, now)
+
+    def sync(self, now: float) -> float | None:
+        """Before something changes this replica at `now`: if a decode run is in flight, apply
+        the steps that ended by now and make the step in progress an ordinary one. Returns its
+        end time (the run's end event is stale: generation moved), or None if nothing moved."""
+        if self._run is None:
+            return None
+        k = self._run[2]
+        lo, hi = 0, k - 1  # j = steps ending at or before now (step ends precede arrivals)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._run_end(mid) <= now:
+                lo = mid
+            else:
+                hi = mid - 1
+        j = lo
+        assert self._run_end(k) > now, "a decode run past its end was not finished"
+        if j:
+            self.scheduler.decode_ahead(j, SAMPLED_TOKEN)
+            self.stats.num_steps += j
+        start = self._run_end(j)
+        self.stats.busy_s += start - self._start
+        self._run, self._start = None, start
+        self._batch = self.scheduler.schedule(start)
+        self.generation += 1
+        return start + step_time(self.cost, batch_shape(self._batch))
