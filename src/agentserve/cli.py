@@ -19,6 +19,8 @@ _COMMANDS: dict[str, str] = {
     "serve": "agentserve.server.cli",
     "bench": "agentserve.bench.cli",
     "analyze": "agentserve.analyze.cli",
+    "sim": "agentserve.sim.cli",
+    "replay": "agentserve.bench.replay_cli",
 }
 
 

@@ -92,9 +92,11 @@ def summarize(set_name: str, wall: float, recs: list[TurnRecord]) -> SetResult:
     )
 
 async def run_agent_bench(target: str, workload: Path, think_s: float = 2.0, n_out: int = 32,
-                          model: str | None = None, timeout_s: float = 600) -> tuple[list[SetResult], list[TurnRecord]]:
+                          model: str | None = None, timeout_s: float = 600,
+                          transport: httpx.AsyncBaseTransport | None = None,
+                          ) -> tuple[list[SetResult], list[TurnRecord]]:
     data = json.loads(workload.read_text())
-    async with httpx.AsyncClient(base_url=target.rstrip("/"), timeout=timeout_s) as client:
+    async with httpx.AsyncClient(base_url=target.rstrip("/"), timeout=timeout_s, transport=transport) as client:
         if model is None:
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
         await _request(client, model, [data["sets"]["A"]["prefix"][0], 13], 2)  # warm-up

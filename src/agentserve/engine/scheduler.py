@@ -280,7 +280,27 @@ class Scheduler:
     def decode_horizon(self) -> int:
         """How many next steps are pure decode steps (engine/decode_run.py): decode_ahead(k)
         for any k up to this number is exactly k schedule/update steps. 0 when there are none."""
-        return decode_horizon(self.running, len(self.waiting), self.config, self.pool.num_free_blocks)
+        blocked = not self.waiting or len(self.running) >= self.config.max_num_seqs or self._head_blocked()
+        return decode_horizon(self.running, 0 if blocked else len(self.waiting), self.config,
+                              self.pool.num_free_blocks)
+
+    def _head_blocked(self) -> bool:
+        """Admission stops at the first waiting request; True if it cannot be admitted now and
+        pure decode steps cannot change that: they only take free blocks (need and the free
+        blocks outside its match never improve), and the only publish that could extend its
+        match is of its next block hash."""
+        request, bs = self.waiting[0], self.pool.block_size
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        matched = self._match(request)
+        computed = len(matched) * bs
+        n = min(request.num_tokens - computed, budget)
+        need = _cdiv(computed + n, bs) - len(matched)
+        if budget <= 0 or need <= self.pool.num_free_blocks - self.pool.count_free(matched):
+            return budget <= 0
+        if len(matched) < len(request.block_hashes):
+            h = request.block_hashes[len(matched)]
+            return not any(h in r.block_hashes[r.num_cached_blocks :] for r in self.running)
+        return True
 
     def decode_ahead(self, num_steps: int, token_id: int) -> list[RequestOutput]:
         """Take num_steps pure decode steps at once, every running request sampling token_id

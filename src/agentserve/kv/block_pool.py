@@ -39,11 +39,11 @@ class PoolStats:
 
 class EvictionPolicy(Protocol):
     """Which free cached block gives up its hash next. It holds exactly the free blocks that
-    hold a hash: `push` those that became free (in the order freed), `remove` those a cache hit
-    takes back, `pop` the victim. Bulk calls keep the per-block cost low. Iteration is in
-    eviction order (for check() and tests)."""
+    hold a hash: `push` those that became free (in the order freed; hash_of[b] is block b's
+    hash), `remove` those a cache hit takes back, `pop` the victim. Bulk calls keep the
+    per-block cost low. Iteration is in eviction order (for check() and tests)."""
 
-    def push(self, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]) -> None: ...
+    def push(self, block_ids: Sequence[BlockId], hash_of: Sequence[BlockHash | None]) -> None: ...
     def remove(self, block_ids: Sequence[BlockId]) -> None: ...
     def pop(self) -> BlockId: ...
     def __len__(self) -> int: ...
@@ -56,7 +56,7 @@ class LruEviction:
     def __init__(self) -> None:
         self._order: OrderedDict[BlockId, None] = OrderedDict()
 
-    def push(self, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]) -> None:
+    def push(self, block_ids: Sequence[BlockId], hash_of: Sequence[BlockHash | None]) -> None:
         order = self._order
         for b in block_ids:  # (a plain loop beats OrderedDict.update several times over)
             order[b] = None
@@ -125,14 +125,15 @@ class BlockPool:
         revived = [b for b in block_ids if not rc[b]]
         for b in block_ids:
             rc[b] += 1
-        if revived:
-            hash_of = self._hash_of
-            cached = [b for b in revived if hash_of[b] is not None]
-            if len(cached) < len(revived):
-                for b in revived:
-                    if hash_of[b] is None:
-                        del self._uncached[b]
-            self._evictable.remove(cached)
+        if not revived:
+            return
+        hash_of = self._hash_of
+        if None in map(hash_of.__getitem__, revived):  # rare: free blocks without a hash
+            for b in revived:
+                if hash_of[b] is None:
+                    del self._uncached[b]
+            revived = [b for b in revived if hash_of[b] is not None]
+        self._evictable.remove(revived)
 
     def allocate(self, n: int) -> list[BlockId]:
         """Take n blocks from the head of the free list, evicting their cached hashes."""
@@ -166,7 +167,7 @@ class BlockPool:
                 else:
                     cached.append(b)
         if cached:
-            self._evictable.push(cached, [hash_of[b] for b in cached])  # type: ignore[misc]
+            self._evictable.push(cached, hash_of)
 
     def insert(self, block_id: BlockId, block_hash: BlockHash) -> bool:
         """Publish a computed, full, in-use block under its hash. False if that hash is already

@@ -108,10 +108,10 @@ class BeladyEviction:
         self._live: dict[BlockId, tuple[float, int]] = {}  # free cached block -> (key, seq)
         self._seq = itertools.count()
 
-    def push(self, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]) -> None:
+    def push(self, block_ids: Sequence[BlockId], hash_of: Sequence[BlockHash | None]) -> None:
         now, cursor, next_use = self._clock(), self._cursor, self._oracle.next_use
-        for b, h in zip(block_ids, hashes):
-            key, seq = -next_use(h, now, cursor), next(self._seq)
+        for b in block_ids:
+            key, seq = -next_use(hash_of[b], now, cursor), next(self._seq)  # type: ignore[arg-type]
             self._live[b] = (key, seq)
             heapq.heappush(self._heap, (key, seq, b))
         if len(self._heap) > 4 * len(self._live) + 1024:
