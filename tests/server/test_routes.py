@@ -153,6 +153,7 @@ BAD = [
     ("max_tokens zero", "/v1/chat/completions", chat(max_tokens=0), 400, "max_tokens must be at least 1"),
     ("max_tokens negative", "/v1/completions", {"model": M, "prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
     ("n > 1", "/v1/chat/completions", chat(n=2), 400, "n=2 is not supported"),
+    ("logprobs", "/v1/chat/completions", chat(logprobs=True), 400, "logprobs are not supported"),
     ("prompt over context", "/v1/completions", {"model": M, "prompt": [1] * 3000}, 400, "context is 2048"),
     ("token out of range", "/v1/completions", {"model": M, "prompt": [1, 10**7]}, 400, "out of range"),
     ("empty prompt", "/v1/completions", {"model": M, "prompt": []}, 400, "prompt is empty"),

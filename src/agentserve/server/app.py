@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from agentserve.engine.request import RequestOutput, SamplingParams
 from agentserve.server import chat_routes, completion_routes
@@ -18,7 +18,7 @@ from agentserve.server.async_engine import AsyncEngine
 from agentserve.server.errors import APIError, install_handlers
 from agentserve.server.metrics import Metrics
 from agentserve.server.protocol import _Sampling
-from agentserve.server.sessions import SessionClosedError, SessionRegistry
+from agentserve.server.sessions import Session, SessionClosedError, SessionRegistry
 from agentserve.server.tool_parsers import ToolParser
 
 
@@ -90,17 +90,6 @@ class ServerState:
                                        out.num_generated_tokens)
 
 
-def sse(obj: Any) -> str:
-    import json
-
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def streaming(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
 def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -130,19 +119,18 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def session_json(session_id: str, session: Session | None) -> JSONResponse:
+        if session is None:
+            raise APIError(404, f"unknown session {session_id!r}", param="session_id", code="session_not_found")
+        return JSONResponse(session.as_dict())
+
     @app.post("/v1/sessions/{session_id}/close")
     async def close_session(session_id: str) -> JSONResponse:
-        s = state.sessions.close(session_id)
-        if s is None:
-            raise APIError(404, f"unknown session {session_id!r}", param="session_id", code="session_not_found")
-        return JSONResponse(s.as_dict())
+        return session_json(session_id, state.sessions.close(session_id))
 
     @app.get("/v1/sessions/{session_id}")
     async def get_session(session_id: str) -> JSONResponse:
-        s = state.sessions.get(session_id)
-        if s is None:
-            raise APIError(404, f"unknown session {session_id!r}", param="session_id", code="session_not_found")
-        return JSONResponse(s.as_dict())
+        return session_json(session_id, state.sessions.get(session_id))
 
     chat_routes.register(app, state)
     completion_routes.register(app, state)

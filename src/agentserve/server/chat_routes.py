@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 
 from agentserve.server.chat import build_chat_prompt
-from agentserve.server.generation import FINISH, TextState, outputs, usage
+from agentserve.server.generation import FINISH, TextState, outputs, sse, streaming, usage
 from agentserve.server.protocol import ChatCompletionRequest
 from agentserve.server.tool_parsers import StreamingToolParser, ToolCall, extract
 
@@ -27,8 +27,6 @@ def _finish_reason(reason: str, has_calls: bool) -> str:
 
 
 def register(app: FastAPI, state: ServerState) -> None:
-    from agentserve.server.app import sse, streaming
-
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         state.check_model(body.model)
@@ -60,8 +58,6 @@ def register(app: FastAPI, state: ServerState) -> None:
 async def _stream(state: ServerState, body: ChatCompletionRequest, tools: dict[str, Any],
                   outs: AsyncIterator[Any], text: TextState, head: dict[str, Any],
                   session_id: str | None) -> AsyncIterator[str]:
-    from agentserve.server.app import sse
-
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
         return sse({**head, "object": "chat.completion.chunk",
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
-from agentserve.server.generation import FINISH, TextState, outputs, usage
+from agentserve.server.generation import FINISH, TextState, outputs, sse, streaming, usage
 from agentserve.server.protocol import CompletionRequest
 
 if TYPE_CHECKING:
@@ -16,8 +16,6 @@ if TYPE_CHECKING:
 
 
 def register(app: FastAPI, state: ServerState) -> None:
-    from agentserve.server.app import streaming
-
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         state.check_model(body.model)
@@ -48,8 +46,6 @@ def register(app: FastAPI, state: ServerState) -> None:
 async def _stream(state: ServerState, body: CompletionRequest, prompt: list[int],
                   outs: AsyncIterator[Any], text: TextState, head: dict[str, Any],
                   session_id: str | None) -> AsyncIterator[str]:
-    from agentserve.server.app import sse
-
     async for out in outs:
         delta, ids = text.add(out)
         choice: dict[str, Any] = {"index": 0, "text": delta, "logprobs": None,

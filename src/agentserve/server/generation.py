@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from fastapi.responses import StreamingResponse
 
 from agentserve.engine.request import RequestOutput
 from agentserve.server.async_engine import AsyncEngine, EngineFailure
@@ -92,3 +95,13 @@ async def outputs(engine: AsyncEngine, request_id: str, stream: asyncio.Queue,
     finally:
         if not finished:
             engine.abort(request_id)
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def streaming(gen: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

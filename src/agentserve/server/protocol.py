@@ -97,6 +97,13 @@ class _Sampling(_Body):
             raise ValueError(f"n={v} is not supported; send n=1 (or several requests)")
         return v
 
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | int | None) -> bool | int | None:
+        if v:
+            raise ValueError("logprobs are not supported by this server; omit the field")
+        return v
+
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
