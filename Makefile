@@ -21,10 +21,10 @@ demo: $(STAMP)
 	$(BIN)/agentserve demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/agentserve bench engine --model qwen2.5-coder-0.5b

@@ -257,8 +257,8 @@ class Scheduler:
         if num_full <= request.num_cached_blocks:
             return
         extend_block_hashes(request.block_hashes, request.token_ids, bs, request.extra_keys)
-        for i in range(request.num_cached_blocks, num_full):
-            self.pool.insert(request.block_ids[i], request.block_hashes[i])
+        first = request.num_cached_blocks
+        self.pool.insert_many(request.block_ids[first:num_full], request.block_hashes[first:num_full])
         request.num_cached_blocks = num_full
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
@@ -311,15 +311,18 @@ class Scheduler:
             sp = r.sampling
             assert token_id not in sp.stop_token_ids and (sp.ignore_eos or token_id not in self.config.eos_token_ids)
         start = [r.num_computed_tokens for r in running]
+        added = [0] * len(running)  # tokens appended so far: step j publishes after j of them
         for step, op, i in plan_events(running, num_steps, bs, self.config.enable_prefix_caching):
             r = running[i]
             if op == DecodeOp.ALLOCATE.value:
                 r.block_ids.extend(self.pool.allocate(1))
-            else:
-                r.num_computed_tokens = start[i] + step + 1
-                self._publish(r)
-        new = (token_id,) * num_steps
+                continue
+            r.token_ids.extend((token_id,) * (step - added[i]))
+            added[i] = step
+            r.num_computed_tokens = start[i] + step + 1
+            self._publish(r)
         for i, r in enumerate(running):
             r.num_computed_tokens = start[i] + num_steps
-            r.token_ids.extend(new)
+            r.token_ids.extend((token_id,) * (num_steps - added[i]))
+        new = (token_id,) * num_steps
         return [make_output(r, new) for r in running]

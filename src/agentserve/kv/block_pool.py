@@ -40,12 +40,12 @@ class PoolStats:
 class EvictionPolicy(Protocol):
     """Which free cached block gives up its hash next. It holds exactly the free blocks that
     hold a hash: `push` those that became free (in the order freed; hash_of[b] is block b's
-    hash), `remove` those a cache hit takes back, `pop` the victim. Bulk calls keep the
+    hash), `remove` those a cache hit takes back, `pop` the next n victims. Bulk calls keep the
     per-block cost low. Iteration is in eviction order (for check() and tests)."""
 
     def push(self, block_ids: Sequence[BlockId], hash_of: Sequence[BlockHash | None]) -> None: ...
     def remove(self, block_ids: Sequence[BlockId]) -> None: ...
-    def pop(self) -> BlockId: ...
+    def pop(self, n: int) -> list[BlockId]: ...
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[BlockId]: ...
 
@@ -66,8 +66,9 @@ class LruEviction:
         for b in block_ids:
             del order[b]
 
-    def pop(self) -> BlockId:
-        return self._order.popitem(last=False)[0]
+    def pop(self, n: int) -> list[BlockId]:
+        popitem = self._order.popitem
+        return [popitem(last=False)[0] for _ in range(n)]
 
     def __len__(self) -> int:
         return len(self._order)
@@ -108,11 +109,13 @@ class BlockPool:
 
     def match_prefix(self, hashes: Sequence[BlockHash]) -> list[BlockId]:
         """Blocks holding the longest cached prefix of `hashes`. Takes no reference."""
-        found = list(map(self._block_of.get, hashes))  # C-level lookups; cut at the first miss
-        try:
-            return found[: found.index(None)]  # type: ignore[return-value]
-        except ValueError:
-            return found  # type: ignore[return-value]
+        get, matched = self._block_of.get, []
+        for i in range(0, len(hashes), 64):  # C-level lookups, 64 at a time; cut at the first miss
+            found = list(map(get, hashes[i : i + 64]))
+            if None in found:
+                return matched + found[: found.index(None)]
+            matched += found
+        return matched
 
     def count_free(self, block_ids: Sequence[BlockId]) -> int:
         """How many of these blocks are free (a hit on them takes them off the free list)."""
@@ -139,33 +142,37 @@ class BlockPool:
         """Take n blocks from the head of the free list, evicting their cached hashes."""
         if n > self.num_free_blocks:
             raise MemoryError(f"asked for {n} KV blocks, {self.num_free_blocks} free")
-        out: list[BlockId] = []
         uncached = self._uncached
-        for _ in range(n):
-            b = uncached.popitem(last=False)[0] if uncached else self._evictable.pop()
-            h = self._hash_of[b]
-            if h is not None:
-                del self._block_of[h]
-                self._hash_of[b] = None
-                self.num_evictions += 1
-            self._ref_count[b] = 1
-            out.append(b)
+        k = min(n, len(uncached))
+        out = [uncached.popitem(last=False)[0] for _ in range(k)]
+        if k < n:
+            victims = self._evictable.pop(n - k)
+            hash_of, block_of = self._hash_of, self._block_of
+            for b in victims:
+                del block_of[hash_of[b]]  # type: ignore[arg-type]
+                hash_of[b] = None
+            self.num_evictions += len(victims)
+            out += victims
+        rc = self._ref_count
+        for b in out:
+            rc[b] = 1
         return out
 
     def free(self, block_ids: Iterable[BlockId]) -> None:
         """Drop one reference from each block, in eviction order: first given, first evicted."""
         rc, hash_of, uncached = self._ref_count, self._hash_of, self._uncached
         cached: list[BlockId] = []
+        keep = cached.append
         for b in block_ids:
             n = rc[b] - 1
-            assert n >= 0, f"block {b} freed more often than taken"
             rc[b] = n
-            if not n:
-                if hash_of[b] is None:
-                    uncached[b] = None
-                    uncached.move_to_end(b, last=False)
-                else:
-                    cached.append(b)
+            if n:
+                assert n > 0, f"block {b} freed more often than taken"
+            elif hash_of[b] is None:
+                uncached[b] = None
+                uncached.move_to_end(b, last=False)
+            else:
+                keep(b)
         if cached:
             self._evictable.push(cached, hash_of)
 
@@ -180,6 +187,15 @@ class BlockPool:
         self._block_of[block_hash] = block_id
         self._hash_of[block_id] = block_hash
         return True
+
+    def insert_many(self, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]) -> None:
+        """insert() for each pair, in order (the results are not needed)."""
+        rc, hash_of, block_of = self._ref_count, self._hash_of, self._block_of
+        for b, h in zip(block_ids, hashes):
+            assert rc[b] > 0 and hash_of[b] is None, f"block {b}: not in use or already cached"
+            if h not in block_of:
+                block_of[h] = b
+                hash_of[b] = h
 
     def stats(self) -> PoolStats:
         return PoolStats(

@@ -177,22 +177,39 @@ class Transformer:
         v_cache.index_copy_(0, write_slots, v)
         out = torch.empty_like(q)  # [num_tokens, heads, head_dim]
         for c in chunks:
-            out[c.row_start : c.row_start + c.num_rows] = self._chunk_attention(
-                q[c.row_start : c.row_start + c.num_rows], c, k_cache, v_cache)
+            rows = slice(c.row_start, c.row_start + c.num_rows)
+            if c.start_position == 0:  # the context is this chunk alone: no need to gather it
+                out[rows] = self._local_attention(q[rows], k[rows], v[rows])
+            else:
+                out[rows] = self._chunk_attention(q[rows], c, k_cache, v_cache)
         if decode is not None:
             out[decode.rows] = self._decode_attention(q[decode.rows], decode, k_cache, v_cache)
         return layer.o(out.view(n, -1))
 
     def _decode_attention(self, q: torch.Tensor, d: DecodeGroup, k_cache: torch.Tensor,
                           v_cache: torch.Tensor) -> torch.Tensor:
-        # q: [B, heads, dim] -> [B, heads, 1, dim]; keys/values: [B, kv_heads, max_context, dim]
+        """One query per row over its padded context, as two batched matmuls in fp32 (torch's
+        CPU flash kernel is ~50x slower for a single query)."""
         b, ctx = d.slots.shape
+        kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
+        group = q.shape[1] // kv_heads
         flat = d.slots.reshape(-1)
-        keys = k_cache.index_select(0, flat).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)
-        values = v_cache.index_select(0, flat).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=d.mask,
+        # keys, values: [B, kv_heads, context, dim]; queries: [B, kv_heads, group, dim]
+        keys = k_cache.index_select(0, flat).view(b, ctx, kv_heads, dim).transpose(1, 2).float()
+        values = v_cache.index_select(0, flat).view(b, ctx, kv_heads, dim).transpose(1, 2).float()
+        queries = q.view(b, kv_heads, group, dim).float()
+        scores = torch.matmul(queries, keys.transpose(2, 3)) * self.scale  # [B, kv_heads, group, context]
+        if d.mask is not None:
+            scores = scores.masked_fill(~d.mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, kv_heads, group, dim]
+        return out.reshape(b, kv_heads * group, dim).to(q.dtype)
+
+    def _local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [rows, heads, dim]; k, v: [rows, kv_heads, dim]; causal within the chunk
+        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                           v.transpose(0, 1).unsqueeze(0), is_causal=True,
                                            scale=self.scale, enable_gqa=True)
-        return o.squeeze(2)
+        return o.squeeze(0).transpose(0, 1)
 
     def _chunk_attention(self, q: torch.Tensor, c: ChunkLayout, k_cache: torch.Tensor,
                          v_cache: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--router", default="session-hash", choices=["round-robin", "session-hash", "least-loaded"])
     p.add_argument("--arrival", default="trace", choices=[a.value for a in Arrival],
                    help="trace: sessions start at trace times (Poisson where the trace has none)")
-    p.add_argument("--session-rate", type=float, default=1 / 60, help="sessions per second (Poisson)")
+    p.add_argument("--session-rate", type=float, default=1 / 300, help="sessions per second (Poisson)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiplies think times and trace times")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)

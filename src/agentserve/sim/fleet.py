@@ -84,7 +84,7 @@ def simulate(plan: Plan, starts: Sequence[float], config: SimConfig, cost: CostM
              oracle: Callable[[], NextUse] | None = None) -> SimResult:
     if not config.skip_oversized:
         check_capacity(plan, config.capacity_tokens)
-    fleet = _Fleet(plan, starts, config, cost, oracle or (lambda: NextUse(plan, starts)))
+    fleet = Fleet(plan, starts, config, cost, oracle or (lambda: NextUse(plan, starts)))
     t0 = time.perf_counter()
     fleet.run()
     wall = time.perf_counter() - t0
@@ -95,7 +95,7 @@ def simulate(plan: Plan, starts: Sequence[float], config: SimConfig, cost: CostM
                      tuple(r.stats for r in fleet.replicas), fleet.num_skipped, wall)
 
 
-class _Fleet:
+class Fleet:
     def __init__(self, plan: Plan, starts: Sequence[float], config: SimConfig, cost: CostModel,
                  oracle: Callable[[], NextUse]) -> None:
         self.plan, self.config, self.starts = plan, config, starts

@@ -122,12 +122,15 @@ class BeladyEviction:
         for b in block_ids:
             del self._live[b]
 
-    def pop(self) -> BlockId:
-        while True:
-            key, seq, b = heapq.heappop(self._heap)
-            if self._live.get(b) == (key, seq):
-                del self._live[b]
-                return b
+    def pop(self, n: int) -> list[BlockId]:
+        out: list[BlockId] = []
+        heap, live = self._heap, self._live
+        while len(out) < n:
+            key, seq, b = heapq.heappop(heap)
+            if live.get(b) == (key, seq):
+                del live[b]
+                out.append(b)
+        return out
 
     def __len__(self) -> int:
         return len(self._live)

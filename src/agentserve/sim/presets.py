@@ -24,9 +24,14 @@ _MODELS = {  # params (B), layers, q_dim, KV bytes per token, weight bytes
     "qwen2.5-32b": (32.76, 64, 5120, 2 * 64 * 8 * 128 * 2, 65.5e9),
 }
 
-# `agentserve bench engine` on this project's CPU machine (2 cores, qwen2.5-coder-0.5b, bf16);
-# see docs/benchmarks-sim.md for the run. Refit with `fit_engine_bench(rows)`.
-CPU_QWEN05_BENCH: tuple[dict[str, object], ...] = ()
+# `agentserve bench engine --json` on this project's CPU machine (2 shared cores,
+# qwen2.5-coder-0.5b, bf16, 2026-11-30, other load present); refit with `fit_engine_bench(rows)`.
+CPU_QWEN05_BENCH: tuple[dict[str, object], ...] = (
+    {'metric': 'prefill tok/s (1000-token prompt)', 'agentserve': 74.19},
+    {'metric': 'decode tok/s, batch 1', 'agentserve': 11.156},
+    {'metric': 'decode tok/s, 8 requests (HF: one at a time)', 'agentserve': 12.233},
+    {'metric': 'matmul GFLOP/s (bfloat16); prefill ceiling = 540 tok/s', 'agentserve': 386.235},
+)
 
 
 def roofline(gpu: str, model: str) -> Roofline:

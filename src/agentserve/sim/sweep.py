@@ -20,7 +20,7 @@ class SweepSpec:
     seeds: tuple[int, ...]
     base: SimConfig  # capacity and policy are replaced per run
     arrival: Arrival = Arrival.TRACE
-    session_rate: float = 1 / 60  # sessions per second, where sessions start as a Poisson process
+    session_rate: float = 1 / 300  # sessions per second, where sessions start as a Poisson process
 
 
 def auto_capacities(plan: Plan, count: int = 7) -> tuple[int, ...]:

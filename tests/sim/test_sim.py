@@ -1,0 +1,121 @@
+"""The simulator: exact hit counts by hand, determinism, decode runs, the real scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentserve.engine.scheduler import Scheduler
+from agentserve.kv.block_pool import BlockPool
+from agentserve.sim.fleet import Fleet, SimConfig, SimError, simulate
+from agentserve.sim.oracle import NextUse
+from agentserve.sim.plan import Arrival, compile_workload, session_starts
+from agentserve.sim.presets import load_cost_model
+from agentserve.workload.claude_code import read_claude_code
+from tests.sim.conftest import FIXTURES, UNIT_STEP
+
+
+def run(workload, policy, capacity, starts=(0.0, 2.0, 4.0), **kw):
+    plan = compile_workload(workload, output_reuse=False)
+    return simulate(plan, starts, SimConfig(capacity, policy, **kw), UNIT_STEP)
+
+
+def reused(result):
+    return [(r.session, r.turn, r.reused_tokens, r.eligible_tokens) for r in sorted(
+        result.records, key=lambda r: (r.session, r.turn))]
+
+
+def test_hand_computed_three_sessions(three_sessions):
+    # Pool of 4 blocks of 4 tokens. t=0,2,4: S0, S1, S2 compute 2 blocks each, so S2 evicts
+    # S0's blocks under LRU; S0's second turn (t=11) then evicts S1's and one of S2's, and so
+    # on: LRU reuses nothing. Belady evicts S1's blocks at t=4 (next needed at 13, after S0's
+    # at 11), keeps S0's for t=11 (8 tokens), and S2's first block for t=15 (4 tokens).
+    eligible = [(0, 0, 0, 0), (0, 1, 0, 8), (1, 0, 0, 0), (1, 1, 0, 4), (2, 0, 0, 0), (2, 1, 0, 4)]
+    assert reused(run(three_sessions, "lru", 16)) == eligible
+    assert reused(run(three_sessions, "none", 16)) == eligible
+    belady = run(three_sessions, "belady", 16)
+    assert reused(belady) == [(0, 0, 0, 0), (0, 1, 8, 8), (1, 0, 0, 0), (1, 1, 0, 4), (2, 0, 0, 0), (2, 1, 4, 4)]
+    assert belady.summary["reused_tokens"] == 12 and belady.summary["eligible_tokens"] == 16
+    assert belady.summary["recomputed_tokens"] == 4
+    # with room for everything, LRU gets every eligible token
+    assert [r[2] for r in reused(run(three_sessions, "lru", 64))] == [0, 8, 0, 4, 0, 4]
+
+
+def test_arrivals_follow_think_time_after_the_response(three_sessions):
+    result = run(three_sessions, "lru", 64)
+    by = {(r.session, r.turn): r for r in result.records}
+    assert (by[0, 0].arrival_s, by[0, 0].done_s) == (0.0, 1.0)
+    assert by[0, 1].arrival_s == 11.0  # response at 1 s + 10 s of think time
+    assert result.session_jct_s == (12.0, 12.0, 12.0)  # each: two 1 s turns, 10 s apart
+
+
+def test_scheduler_and_pool_are_the_engines_own_classes(three_sessions):
+    plan = compile_workload(three_sessions)
+    fleet = Fleet(plan, (0.0, 2.0, 4.0), SimConfig(64, "belady", num_replicas=2), UNIT_STEP,
+                  lambda: NextUse(plan, (0.0, 2.0, 4.0)))
+    for rep in fleet.replicas:
+        assert type(rep.scheduler) is Scheduler
+        assert type(rep.scheduler.pool) is BlockPool
+
+
+@pytest.fixture(scope="module")
+def cc_plan():
+    return compile_workload(read_claude_code([FIXTURES / "claude-code"]))
+
+
+def test_same_seed_same_records_and_decode_runs_change_nothing(cc_plan):
+    cost = load_cost_model("h100-llama3-8b")
+    starts = session_starts(cc_plan, Arrival.POISSON, 1 / 30, seed=7)
+    cfg = SimConfig(200_000, "lru", num_replicas=2, router="least-loaded")
+    a, b = simulate(cc_plan, starts, cfg, cost), simulate(cc_plan, starts, cfg, cost)
+    assert a.records == b.records and a.summary == b.summary
+    other = simulate(cc_plan, session_starts(cc_plan, Arrival.POISSON, 1 / 30, seed=8), cfg, cost)
+    assert other.records != a.records
+    slow = simulate(cc_plan, starts, SimConfig(200_000, "lru", 2, "least-loaded", decode_runs=False), cost)
+    assert a.replicas[0].num_decode_runs > 0 and slow.replicas[0].num_decode_runs == 0
+    assert len(slow.records) == len(a.records) == cc_plan.num_requests
+    for x, y in zip(a.records, slow.records):
+        for f in x.__slots__:
+            u, v = getattr(x, f), getattr(y, f)
+            assert u == v if isinstance(u, int) else u == pytest.approx(v, rel=1e-9)
+
+
+def test_capacity_smaller_than_a_request_is_refused_before_work(cc_plan):
+    with pytest.raises(SimError, match=r"--capacity-tokens 1000 is smaller than the largest request .* blocks of 64"):
+        simulate(cc_plan, [0.0] * len(cc_plan.sessions), SimConfig(1000, "lru"), UNIT_STEP)
+    skipped = simulate(cc_plan, [0.0] * len(cc_plan.sessions), SimConfig(50_000, "lru", skip_oversized=True), UNIT_STEP)
+    assert skipped.num_skipped > 0
+    assert len(skipped.records) + skipped.num_skipped == cc_plan.num_requests
+
+
+def test_bad_config_names_the_problem():
+    with pytest.raises(ValueError, match="unknown policy 'fifo'"):
+        SimConfig(100, "fifo")
+    with pytest.raises(SimError, match="num_replicas must be >= 1"):
+        SimConfig(100, "lru", num_replicas=0)
+
+
+def test_pools_keep_their_invariants_under_every_policy(cc_plan):
+    starts = session_starts(cc_plan, Arrival.POISSON, 1 / 20, seed=1)
+    for policy in ("none", "lru", "belady"):
+        fleet = Fleet(cc_plan, starts, SimConfig(150_000, policy, num_replicas=2, router="round-robin"),
+                      load_cost_model("h200-qwen2.5-32b"), lambda: NextUse(cc_plan, starts))
+        fleet.run()
+        for rep in fleet.replicas:
+            rep.scheduler.pool.check()
+            assert rep.scheduler.pool.num_free_blocks == rep.scheduler.pool.num_blocks
+        assert len(fleet.records) == cc_plan.num_requests and len(fleet.jct) == len(cc_plan.sessions)
+        assert {r.replica for r in fleet.records} == {0, 1}
+
+
+@pytest.mark.parametrize("router", ["session-hash", "least-loaded", "round-robin"])
+def test_routers(cc_plan, router):
+    starts = session_starts(cc_plan, Arrival.POISSON, 1 / 10, seed=3)
+    result = simulate(cc_plan, starts, SimConfig(400_000, "lru", num_replicas=3, router=router),
+                      load_cost_model("h200-llama3-8b"))
+    replicas_of: dict[int, set[int]] = {}
+    for r in result.records:
+        replicas_of.setdefault(r.session, set()).add(r.replica)
+    if router == "session-hash":  # a session and its sub-agents stay on one replica
+        assert all(len(v) == 1 for v in replicas_of.values())
+    else:
+        assert len(set().union(*replicas_of.values())) > 1
