@@ -12,15 +12,14 @@ from rich.table import Table
 
 
 def _engine(args: argparse.Namespace) -> int:
-    import torch
-
     from agentserve.bench.engine_bench import rows_as_dicts, run_bench
+    from agentserve.model.reference import set_threads
 
-    torch.set_num_threads(args.threads or torch.get_num_threads())
+    threads = set_threads(args.threads)
     rows = run_bench(args.model, args.dtype, args.cache_root, prompt_len=args.prompt_len,
                      decode_tokens=args.decode_tokens, concurrency=args.concurrency,
                      repeats=args.repeats)
-    t = Table(title=f"engine bench: {args.model}, {args.dtype}, {torch.get_num_threads()} threads, "
+    t = Table(title=f"engine bench: {args.model}, {args.dtype}, {threads} threads, "
                     f"{platform.processor() or platform.machine()}")
     for col in ("metric", "agentserve", "transformers", "ratio"):
         t.add_column(col, justify="left" if col == "metric" else "right")

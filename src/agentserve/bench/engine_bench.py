@@ -13,11 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-import torch
-import transformers
-
 from agentserve.api import LLM
 from agentserve.engine.request import SamplingParams
+from agentserve.model.reference import HFReference, count_parameters, matmul_gflops
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,38 +35,6 @@ def best_of(n: int, fn: Callable[[], float]) -> float:
     return min(fn() for _ in range(n))
 
 
-def matmul_gflops(dtype: torch.dtype, m: int = 1024, k: int = 896, n: int = 4864) -> float:
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    torch.matmul(a, b)
-
-    def once() -> float:
-        t = time.perf_counter()
-        for _ in range(5):
-            torch.matmul(a, b)
-        return (time.perf_counter() - t) / 5
-
-    return 2 * m * k * n / best_of(3, once) / 1e9
-
-
-class HFSide:
-    def __init__(self, model_dir, dtype: torch.dtype) -> None:
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32).to(dtype).eval()
-
-    @torch.inference_mode()
-    def prefill_s(self, ids: list[int]) -> float:
-        t = time.perf_counter()
-        self.model(torch.tensor([ids]), logits_to_keep=1)
-        return time.perf_counter() - t
-
-    @torch.inference_mode()
-    def generate_s(self, ids: list[int], n: int) -> float:
-        t = time.perf_counter()
-        self.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                            do_sample=False, pad_token_id=0)
-        return time.perf_counter() - t
-
-
 def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1000, min(vocab, 100_000)) for _ in range(n)]
@@ -77,7 +43,7 @@ def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
 def run_bench(model: str, dtype: str, cache_root, prompt_len: int = 1000, decode_tokens: int = 64,
               concurrency: int = 8, repeats: int = 2) -> list[BenchRow]:
     llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False, cache_root=cache_root)
-    hf = HFSide(llm.model_dir, getattr(torch, dtype))
+    hf = HFReference(llm.model_dir, dtype)
     vocab = llm.model_config.vocab_size
     long_prompt = prompt_ids(vocab, prompt_len, 0)
     short = [prompt_ids(vocab, 32, s) for s in range(concurrency)]
@@ -102,11 +68,11 @@ def run_bench(model: str, dtype: str, cache_root, prompt_len: int = 1000, decode
     hf_seq = best_of(1, lambda: sum(hf.generate_s(p, decode_tokens) - hf.generate_s(p, 1) for p in short))
     our_conc = best_of(repeats, ours_decode(short))
     n_dec = decode_tokens - 1
-    gflops = matmul_gflops(getattr(torch, dtype))
+    gflops = matmul_gflops(dtype)
     # Per prefill token the layers cost 2 FLOPs per weight; the embedding is a lookup and the
     # output projection runs once per sequence, so neither counts.
     embed = llm.model_config.vocab_size * llm.model_config.hidden_size
-    params = sum(p.numel() for p in hf.model.parameters()) - embed * (1 if llm.model_config.tie_word_embeddings else 2)
+    params = count_parameters(hf) - embed * (1 if llm.model_config.tie_word_embeddings else 2)
     return [
         BenchRow(f"prefill tok/s ({prompt_len}-token prompt)", prompt_len / our_prefill, prompt_len / hf_prefill, "tok/s"),
         BenchRow("decode tok/s, batch 1", n_dec / our_dec1, n_dec / hf_dec1, "tok/s"),

@@ -1,0 +1,16 @@
+"""`agentserve bench engine` end to end on SmolLM2, tiny sizes: every row measured, both sides."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentserve.bench.engine_bench import run_bench
+
+pytestmark = pytest.mark.slow
+
+
+def test_engine_bench_rows(cache_root):
+    rows = run_bench("smollm2-135m", "bfloat16", cache_root, prompt_len=64, decode_tokens=4,
+                     concurrency=2, repeats=1)
+    assert [r.metric.split(" ")[0] for r in rows] == ["prefill", "decode", "decode", "matmul"]
+    assert all(r.agentserve > 0 and r.transformers > 0 for r in rows)
