@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     # Idle OpenMP threads sleep instead of spinning: with spinning, one busy core (another
     # process, or the server's own HTTP thread) stalls every parallel op of a 2-thread torch
     # (measured here: a decode step went from ~60 ms to ~900 ms). Must precede importing torch.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "GOMP_SPINCOUNT" not in os.environ:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args = parser.parse_args(argv)
