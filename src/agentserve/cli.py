@@ -44,12 +44,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Idle OpenMP threads sleep instead of spinning: with spinning, one busy core (another
-    # process, or the server's own HTTP thread) stalls every parallel op of a 2-thread torch
-    # (measured here: a decode step went from ~60 ms to ~900 ms). Must precede importing torch.
-    if "GOMP_SPINCOUNT" not in os.environ:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = sys.argv[1:] if argv is None else argv
+    # Offline commands: idle OpenMP threads sleep instead of spinning. With spinning, one core
+    # busy elsewhere stalls every parallel op of a 2-thread torch (measured here: a decode step
+    # went from ~60 ms to ~900 ms). `serve` keeps OpenMP's default spin: its step loop runs on
+    # the main thread, where spinning measured 40 s on agent-4x6 against 54 s passive. Either is
+    # overridden by setting OMP_WAIT_POLICY or GOMP_SPINCOUNT. Must precede importing torch.
+    if "serve" not in argv and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     args.cache_root = cache_root()

@@ -95,8 +95,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         import asyncio
 
+        loop = asyncio.get_running_loop()
+        if state.engine is not None:  # the CLI runs the step loop on the main thread
+            state.engine.bind(loop)
+            yield
+            return
         state.engine = AsyncEngine(state.llm.engine, on_step=state.metrics.on_step)
-        state.engine.start(asyncio.get_running_loop())
+        state.engine.start(loop)
         try:
             yield
         finally:

@@ -24,14 +24,34 @@ def build_state(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    """HTTP on a second thread, the engine's step loop on the main thread (faster there)."""
+    import signal
+    import threading
+
     import uvicorn
 
     from agentserve.server.app import build_app
+    from agentserve.server.async_engine import AsyncEngine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = build_state(args)
-    uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=5)
+    engine = state.engine = AsyncEngine(state.llm.engine, on_step=state.metrics.on_step)
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host=args.host, port=args.port,
+                                           log_level="info", timeout_graceful_shutdown=5))
+    http = threading.Thread(target=server.run, name="agentserve-http", daemon=True)
+
+    def stop(*_: object) -> None:
+        server.should_exit = True
+        engine.shutdown()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    http.start()
+    try:
+        engine.run_here(alive=http.is_alive)
+    finally:
+        server.should_exit = True
+        http.join(timeout=15)
     return 0
 
 
