@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from agentserve.api import LLM
 from agentserve.engine.request import SamplingParams
-from agentserve.model.reference import HFReference, count_parameters, matmul_gflops
+from agentserve.model.reference import HFReference, best_of, count_parameters, matmul_gflops
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,11 +28,6 @@ class BenchRow:
     @property
     def ratio(self) -> float:
         return self.agentserve / self.transformers
-
-
-def best_of(n: int, fn: Callable[[], float]) -> float:
-    """Fastest of n timings (seconds): the least disturbed by other load on a shared machine."""
-    return min(fn() for _ in range(n))
 
 
 def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:

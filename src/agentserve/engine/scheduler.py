@@ -166,11 +166,8 @@ class Scheduler:
                 if request.block_hashes[len(matched)] in in_flight:
                     i += 1
                     continue
-            computed = len(matched) * self.pool.block_size
-            n = min(request.num_tokens - computed, budget)
-            need = _cdiv(computed + n, self.pool.block_size) - len(matched)
-            revived = self.pool.count_free(matched)
-            if need > self.pool.num_free_blocks - revived:
+            computed, n, need = self._admission(request, matched, budget)
+            if need > self.pool.num_free_blocks - self.pool.count_free(matched):
                 break
             del self.waiting[i]
             self._start(request, matched, need, computed)
@@ -179,6 +176,13 @@ class Scheduler:
             chunks.append(self._chunk(request, n, now))
             budget -= n
         return budget
+
+    def _admission(self, request: Request, matched: list[BlockId], budget: int) -> tuple[int, int, int]:
+        """(tokens already computed, tokens to compute now, new blocks needed) to admit request
+        with its cached prefix `matched` under `budget`."""
+        computed = len(matched) * self.pool.block_size
+        n = min(request.num_tokens - computed, budget)
+        return computed, n, _cdiv(computed + n, self.pool.block_size) - len(matched)
 
     def _in_flight(self) -> set[BlockHash]:
         """Hashes of full blocks that running requests are computing (not yet published)."""
@@ -289,17 +293,14 @@ class Scheduler:
         pure decode steps cannot change that: they only take free blocks (need and the free
         blocks outside its match never improve), and the only publish that could extend its
         match is of its next block hash."""
-        request, bs = self.waiting[0], self.pool.block_size
+        request = self.waiting[0]
         budget = self.config.max_num_batched_tokens - len(self.running)
         matched = self._match(request)
-        computed = len(matched) * bs
-        n = min(request.num_tokens - computed, budget)
-        need = _cdiv(computed + n, bs) - len(matched)
+        _, _, need = self._admission(request, matched, budget)
         if budget <= 0 or need <= self.pool.num_free_blocks - self.pool.count_free(matched):
             return budget <= 0
         if len(matched) < len(request.block_hashes):
-            h = request.block_hashes[len(matched)]
-            return not any(h in r.block_hashes[r.num_cached_blocks :] for r in self.running)
+            return request.block_hashes[len(matched)] not in self._in_flight()
         return True
 
     def decode_ahead(self, num_steps: int, token_id: int) -> list[RequestOutput]:

@@ -13,7 +13,8 @@ import transformers
 from agentserve.model.build import resolve_dtype
 
 
-def _best_of(n: int, fn: Callable[[], float]) -> float:
+def best_of(n: int, fn: Callable[[], float]) -> float:
+    """Fastest of n timings (seconds): the least disturbed by other load on a shared machine."""
     return min(fn() for _ in range(n))
 
 
@@ -29,7 +30,7 @@ def matmul_gflops(dtype: str, m: int = 1024, k: int = 896, n: int = 4864) -> flo
             torch.matmul(a, b)
         return (time.perf_counter() - t) / 5
 
-    return 2 * m * k * n / _best_of(3, once) / 1e9
+    return 2 * m * k * n / best_of(3, once) / 1e9
 
 
 def set_threads(n: int | None) -> int:

@@ -179,7 +179,7 @@ class Transformer:
         for c in chunks:
             rows = slice(c.row_start, c.row_start + c.num_rows)
             if c.start_position == 0:  # the context is this chunk alone: no need to gather it
-                out[rows] = self._local_attention(q[rows], k[rows], v[rows])
+                out[rows] = self._sdpa(q[rows], k[rows], v[rows], None, causal=True)
             else:
                 out[rows] = self._chunk_attention(q[rows], c, k_cache, v_cache)
         if decode is not None:
@@ -204,27 +204,20 @@ class Transformer:
         out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, kv_heads, group, dim]
         return out.reshape(b, kv_heads * group, dim).to(q.dtype)
 
-    def _local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [rows, heads, dim]; k, v: [rows, kv_heads, dim]; causal within the chunk
-        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                           v.transpose(0, 1).unsqueeze(0), is_causal=True,
-                                           scale=self.scale, enable_gqa=True)
-        return o.squeeze(0).transpose(0, 1)
-
     def _chunk_attention(self, q: torch.Tensor, c: ChunkLayout, k_cache: torch.Tensor,
                          v_cache: torch.Tensor) -> torch.Tensor:
-        # q: [rows, heads, dim]; keys/values: [context, kv_heads, dim] gathered from the pool
-        keys = k_cache.index_select(0, c.context_slots).transpose(0, 1).unsqueeze(0)
-        values = v_cache.index_select(0, c.context_slots).transpose(0, 1).unsqueeze(0)
-        query = q.transpose(0, 1).unsqueeze(0)
-        context = c.context_slots.shape[0]
-        if c.num_rows == 1:
-            mask, causal = None, False  # a decode token sees its whole context
-        elif c.start_position == 0:
-            mask, causal = None, True
-        else:  # row r sits at position start + r and sees keys up to there
-            rows = torch.arange(c.num_rows, device=q.device)[:, None] + c.start_position
-            mask, causal = torch.arange(context, device=q.device)[None, :] <= rows, False
-        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
-                                           scale=self.scale, enable_gqa=True)
+        # q: [rows, heads, dim]; keys/values: [context, kv_heads, dim] gathered from the pool;
+        # row r sits at position start + r and sees keys up to there
+        rows = torch.arange(c.num_rows, device=q.device)[:, None] + c.start_position
+        mask = torch.arange(c.context_slots.shape[0], device=q.device)[None, :] <= rows
+        return self._sdpa(q, k_cache.index_select(0, c.context_slots),
+                          v_cache.index_select(0, c.context_slots), mask, causal=False)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              causal: bool) -> torch.Tensor:
+        # q: [rows, heads, dim]; k, v: [context, kv_heads, dim] -> [rows, heads, dim]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal, scale=self.scale,
+            enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)

@@ -42,7 +42,7 @@ def describe(w: Workload) -> WorkloadStats:
     for s in w.all_sessions():
         agents += 1
         prev = None
-        for j, t in enumerate(s.turns):
+        for t in s.turns:
             ins.append(t.prompt_tokens)
             outs.append(t.output_tokens)
             if prev is not None:
