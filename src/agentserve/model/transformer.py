@@ -32,11 +32,11 @@ class DecodeGroup:
     """All one-token chunks of a step, attended in one padded call per layer.
 
     rows: [B] their rows in the flat batch; slots: [B, max_context] context slots, padded;
-    mask: [B, 1, 1, max_context] True where a slot is real (None when no row is padded)."""
+    padding: [B, 1, max_context] True where a slot is padding (None when no row is padded)."""
 
     rows: torch.Tensor
     slots: torch.Tensor
-    mask: torch.Tensor | None
+    padding: torch.Tensor | None
 
 
 class PagedKV:
@@ -188,21 +188,27 @@ class Transformer:
 
     def _decode_attention(self, q: torch.Tensor, d: DecodeGroup, k_cache: torch.Tensor,
                           v_cache: torch.Tensor) -> torch.Tensor:
-        """One query per row over its padded context, as two batched matmuls in fp32 (torch's
-        CPU flash kernel is ~50x slower for a single query)."""
+        """One query per row over its padded context, as batched matmuls in fp32, one pair per
+        KV head (torch's CPU flash kernel is ~50x slower for a single query).
+
+        Layout matters more than flops here: the gathered keys/values are converted to fp32 while
+        contiguous, and each head's [B, context, dim] slice is a strided view that bmm reads in
+        place. Converting after a transpose, or letting matmul broadcast 4-d operands, made
+        strided copies that took 3-4x the time of the attention itself."""
         b, ctx = d.slots.shape
         kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
         group = q.shape[1] // kv_heads
         flat = d.slots.reshape(-1)
-        # keys, values: [B, kv_heads, context, dim]; queries: [B, kv_heads, group, dim]
-        keys = k_cache.index_select(0, flat).view(b, ctx, kv_heads, dim).transpose(1, 2).float()
-        values = v_cache.index_select(0, flat).view(b, ctx, kv_heads, dim).transpose(1, 2).float()
-        queries = q.view(b, kv_heads, group, dim).float()
-        scores = torch.matmul(queries, keys.transpose(2, 3)) * self.scale  # [B, kv_heads, group, context]
-        if d.mask is not None:
-            scores = scores.masked_fill(~d.mask, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, kv_heads, group, dim]
-        return out.reshape(b, kv_heads * group, dim).to(q.dtype)
+        keys = k_cache.index_select(0, flat).float().view(b, ctx, kv_heads, dim)
+        values = v_cache.index_select(0, flat).float().view(b, ctx, kv_heads, dim)
+        queries = q.float().view(b, kv_heads, group, dim)
+        out = []
+        for h in range(kv_heads):
+            scores = torch.bmm(queries[:, h], keys[:, :, h].transpose(1, 2)).mul_(self.scale)  # [B, group, context]
+            if d.padding is not None:
+                scores.masked_fill_(d.padding, float("-inf"))
+            out.append(torch.bmm(torch.softmax(scores, dim=-1), values[:, :, h]))  # [B, group, dim]
+        return torch.stack(out, dim=1).view(b, kv_heads * group, dim).to(q.dtype)
 
     def _chunk_attention(self, q: torch.Tensor, c: ChunkLayout, k_cache: torch.Tensor,
                          v_cache: torch.Tensor) -> torch.Tensor:

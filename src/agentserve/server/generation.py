@@ -19,7 +19,13 @@ from agentserve.server.metrics import Metrics
 
 @dataclass(slots=True)
 class TextState:
-    """Output so far. Invariant: `emitted` is a prefix of the final text."""
+    """Output so far. Invariants: `emitted` is a prefix of the final text; `text` is the
+    decoded output without an incomplete UTF-8 tail.
+
+    Detokenization is incremental (as vLLM does it): each step decodes only the ids from
+    `_prefix` on, and the new text is what decoding them adds to decoding ids[_prefix:_read].
+    Starting both decodes at the same id keeps tokenizers that drop a leading space at a
+    sequence start exact; decoding the whole output every step cost O(n) per token."""
 
     tokenizer: Any
     stop: tuple[str, ...]
@@ -27,24 +33,32 @@ class TextState:
     text: str = ""
     emitted: int = 0
     last: RequestOutput | None = None
+    _prefix: int = 0
+    _read: int = 0
 
     def add(self, out: RequestOutput) -> tuple[str, list[int]]:
         """Append an output; return the text and ids that can be shown now."""
         self.token_ids.extend(out.new_token_ids)
         self.last = out
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        self._detokenize(flush=out.finished)
         if out.finished:
             if out.matched_stop is not None:
-                text = text[: text.find(out.matched_stop)]
-            self.text = text
-            safe = len(text)
+                self.text = self.text[: self.text.find(out.matched_stop)]
+            safe = len(self.text)
         else:
-            if not text.endswith("\ufffd"):  # an incomplete UTF-8 sequence waits for its rest
-                self.text = text
             hold = max((len(s) for s in self.stop), default=1) - 1  # a stop string may be starting
             safe = max(self.emitted, len(self.text) - hold)
         delta, self.emitted = self.text[self.emitted : safe], safe
         return delta, list(out.new_token_ids)
+
+    def _detokenize(self, flush: bool) -> None:
+        ids, decode = self.token_ids, self.tokenizer.decode
+        before = decode(ids[self._prefix : self._read], skip_special_tokens=True)
+        after = decode(ids[self._prefix :], skip_special_tokens=True)
+        # an incomplete UTF-8 sequence decodes to U+FFFD: wait for the ids that complete it
+        if len(after) > len(before) and (flush or not after.endswith("\ufffd")):
+            self.text += after[len(before) :]
+            self._prefix, self._read = self._read, len(ids)
 
 
 def usage(out: RequestOutput, session_id: str | None) -> dict[str, Any]:
