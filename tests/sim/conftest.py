@@ -12,13 +12,15 @@ UNIT_STEP = Linear("unit-step", 1.0, 0.0, 0.0, 0.0)  # every step takes 1 s, wha
 
 
 def session(sid: str, ns: int, turns: list[tuple[float, int, list[int]]]) -> AgentSession:
-    """turns: (think_s, prompt_tokens, prompt block hashes); one output token each."""
-    out, prev = [], []
-    for think, n, hashes in turns:
+    """turns: (think_s, prompt_tokens, prompt block hashes); one output token each. Trace
+    offsets are those of 1 s turns (UNIT_STEP) with no queueing."""
+    out, prev, offset = [], [], 0.0
+    for j, (think, n, hashes) in enumerate(turns):
         shared = 0
         while shared < min(len(prev), len(hashes)) and prev[shared] == hashes[shared]:
             shared += 1
-        out.append(Turn(0.0, think, n, 1, shared, tuple(hashes[shared:])))
+        offset += (1.0 + think) if j else 0.0
+        out.append(Turn(offset, think, n, 1, shared, tuple(hashes[shared:])))
         prev = hashes
     return AgentSession(sid, ns, tuple(out), Timing.THINK)
 

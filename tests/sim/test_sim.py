@@ -11,6 +11,7 @@ from agentserve.sim.oracle import NextUse
 from agentserve.sim.plan import Arrival, compile_workload, session_starts
 from agentserve.sim.presets import load_cost_model
 from agentserve.workload.claude_code import read_claude_code
+from agentserve.workload.model import AgentSession, Timing, Turn, Workload
 from tests.sim.conftest import FIXTURES, UNIT_STEP
 
 
@@ -38,6 +39,30 @@ def test_hand_computed_three_sessions(three_sessions):
     assert belady.summary["recomputed_tokens"] == 4
     # with room for everything, LRU gets every eligible token
     assert [r[2] for r in reused(run(three_sessions, "lru", 64))] == [0, 8, 0, 4, 0, 4]
+
+
+def test_belady_keeps_a_shared_block_a_queued_request_needs():
+    # One global namespace, block size 4, a pool of 4 blocks, one request at a time, 1 s steps.
+    # All four sessions arrive at t=0 and queue: S0 [1,2] runs 0-1, S1 [3,4] 1-2, R [8,9] 2-3,
+    # Q [1,2,6] 3-4; S1's second turn [3,4,5] comes at its trace time 10. At t=2 R must evict
+    # X=[1,2] or Y=[3,4]. Q's nominal time (0) is past, but Q is queued: X is needed now, Y at
+    # 10, so Belady evicts Y and Q hits X. LRU evicts X (freed first) and reuses nothing (Q
+    # arrived before X was computed: its eligible prefix is 0 unless it hits).
+    def trace(sid: str, turns: tuple[Turn, ...]) -> AgentSession:
+        return AgentSession(sid, 1, turns, Timing.TRACE, 0.0)
+
+    w = Workload("queued", 4, (
+        trace("S0", (Turn(0.0, 0.0, 8, 1, 0, (1, 2)),)),
+        trace("S1", (Turn(0.0, 0.0, 8, 1, 0, (3, 4)), Turn(10.0, 0.0, 12, 1, 2, (5,)))),
+        trace("R", (Turn(0.0, 0.0, 8, 1, 0, (8, 9)),)),
+        trace("Q", (Turn(0.0, 0.0, 15, 1, 0, (1, 2, 6)),)),
+    ))
+    kw = dict(starts=(0.0,) * 4, max_num_seqs=1)
+    belady, lru = run(w, "belady", 16, **kw), run(w, "lru", 16, **kw)
+    assert [(r.session, r.arrival_s, r.done_s) for r in belady.records] == [
+        (0, 0.0, 1.0), (1, 0.0, 2.0), (2, 0.0, 3.0), (3, 0.0, 4.0), (1, 10.0, 11.0)]
+    assert reused(belady) == [(0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 8), (2, 0, 0, 0), (3, 0, 8, 8)]
+    assert reused(lru) == [(0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 8), (2, 0, 0, 0), (3, 0, 0, 0)]
 
 
 def test_arrivals_follow_think_time_after_the_response(three_sessions):

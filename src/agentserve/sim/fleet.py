@@ -28,6 +28,7 @@ from agentserve.sim.metrics import RequestRecord, summarize
 from agentserve.sim.oracle import NextUse
 from agentserve.sim.plan import Plan
 from agentserve.sim.policies import PolicyContext, get_policy
+from agentserve.sim.progress import Progress
 from agentserve.sim.replica import Replica, ReplicaStats
 from agentserve.sim.router import make_router
 from agentserve.sim.tokens import VirtualTokens
@@ -102,18 +103,22 @@ class Fleet:
         self.now = 0.0
         spec = get_policy(config.policy)
         self.cursor = array("l", [-1]) * len(plan.chains)  # latest turn sent, per chain
-        ctx = PolicyContext(oracle, self.cursor, lambda: self.now)
+        self.router = make_router(config.router)
+        homes = [self.router.home(c.session, config.num_replicas) for c in plan.chains]
+        self.progress = Progress.start(plan, starts, [-1 if h is None else h for h in homes])
         bs = plan.block_size
         sched = SchedulerConfig(max_model_len=plan.max_request_tokens + 2, block_size=bs,
                                 max_num_seqs=config.max_num_seqs,
                                 max_num_batched_tokens=config.max_num_batched_tokens,
                                 enable_prefix_caching=spec.prefix_caching)
         self.num_blocks = max(1, config.capacity_tokens // bs)
-        self.replicas = [
-            Replica(i, Scheduler(sched, BlockPool(self.num_blocks, bs, spec.eviction(ctx) if spec.eviction else None)),
-                    cost, config.decode_runs)
-            for i in range(config.num_replicas)]
-        self.router = make_router(config.router)
+
+        def pool(i: int) -> BlockPool:
+            ctx = PolicyContext(oracle, self.progress, lambda: self.now, i)
+            return BlockPool(self.num_blocks, bs, spec.eviction(ctx) if spec.eviction else None)
+
+        self.replicas = [Replica(i, Scheduler(sched, pool(i)), cost, config.decode_runs)
+                         for i in range(config.num_replicas)]
         self.records: list[RequestRecord] = []
         self.jct: list[float] = []
         self.num_skipped = 0
@@ -185,6 +190,7 @@ class Fleet:
         if end is not None:
             self._push(end, _STEP_END, r, rep.generation)
         rep.scheduler.add(req)
+        self.progress.sent(c, j, r)
         self._inflight[req.request_id] = (c, j, r, e * bs, req)
         if rep.idle:
             self._start(rep, now)
@@ -204,8 +210,10 @@ class Fleet:
         seen = self.seen
         for u in full[turn.shared :]:
             seen[u] = 1
+        self.progress.finished(c, j, now)
         for delay, awaited, child in turn.subagents:
             self._push(now + delay, _ARRIVAL, child, 0)
+            self.progress.scheduled(child, now + delay)
             self._awaiting[c] += awaited
         self._wait_end[c] = now
         if self._awaiting[c] == 0:
@@ -233,6 +241,8 @@ class Fleet:
             return
         turn = chain.turns[j]
         if chain.timing is Timing.THINK:
-            self._push(base + turn.think_s, _ARRIVAL, c, j)
+            t = base + turn.think_s
         else:
-            self._push(max(base, self._origin[c] + turn.offset_s), _ARRIVAL, c, j)
+            t = max(base, self._origin[c] + turn.offset_s)
+        self._push(t, _ARRIVAL, c, j)
+        self.progress.scheduled(c, t)

@@ -3,12 +3,12 @@ which free cached block to evict; later issues add their own specs to `POLICIES`
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from agentserve.kv.block_pool import EvictionPolicy, LruEviction
-from agentserve.sim.oracle import BeladyEviction, NextUse
+from agentserve.sim.oracle import BeladyEviction, Forecast, NextUse
+from agentserve.sim.progress import Progress
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,8 +16,9 @@ class PolicyContext:
     """What a policy may look at when it is built for one replica of one run."""
 
     oracle: Callable[[], NextUse]  # built on first use (it reads the whole plan)
-    cursor: array  # latest turn sent, per chain (the simulator updates it)
+    progress: Progress  # where each chain stands (the simulator updates it)
     clock: Callable[[], float]
+    replica: int  # the replica whose pool this policy serves
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +34,7 @@ POLICIES: tuple[PolicySpec, ...] = (
     PolicySpec("lru", "prefix cache, least recently freed block evicted first (vLLM, SGLang default)",
                True, lambda ctx: LruEviction()),
     PolicySpec("belady", "offline oracle: evict the block whose next use is farthest away",
-               True, lambda ctx: BeladyEviction(ctx.oracle(), ctx.cursor, ctx.clock)),
+               True, lambda ctx: BeladyEviction(Forecast(ctx.oracle(), ctx.progress, ctx.replica), ctx.clock)),
 )
 
 

@@ -14,6 +14,10 @@ class Router(Protocol):
 
     def pick(self, session: int, replicas: Sequence[Replica]) -> int: ...
 
+    def home(self, session: int, num_replicas: int) -> int | None:
+        """The replica every request of this session goes to, where the router fixes it."""
+        ...
+
 
 class RoundRobin:
     name = "round-robin"
@@ -25,6 +29,9 @@ class RoundRobin:
         i, self._next = self._next % len(replicas), self._next + 1
         return i
 
+    def home(self, session: int, num_replicas: int) -> int | None:
+        return None
+
 
 class SessionHash:
     """Every request of a session (sub-agents included) to one replica: a multiplicative hash
@@ -35,6 +42,9 @@ class SessionHash:
     def pick(self, session: int, replicas: Sequence[Replica]) -> int:
         return (session * 2654435761) % (1 << 32) % len(replicas)
 
+    def home(self, session: int, num_replicas: int) -> int | None:
+        return (session * 2654435761) % (1 << 32) % num_replicas
+
 
 class LeastLoaded:
     """Fewest unfinished requests; the lowest index among ties."""
@@ -43,6 +53,9 @@ class LeastLoaded:
 
     def pick(self, session: int, replicas: Sequence[Replica]) -> int:
         return min(range(len(replicas)), key=lambda i: (replicas[i].load, i))
+
+    def home(self, session: int, num_replicas: int) -> int | None:
+        return None
 
 
 def make_router(name: str) -> Router:
