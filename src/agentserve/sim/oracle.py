@@ -217,24 +217,30 @@ class BeladyEviction:
         self._pending.update(zip(block_ids, range(n, n + len(block_ids))))
 
     def remove(self, block_ids: Sequence[BlockId]) -> None:
-        unpend, live = self._pending.pop, self._live
+        unkey, pending = self._live.pop, self._pending
         for b in block_ids:
-            if unpend(b, None) is None:
-                del live[b]
+            if unkey(b, None) is None:
+                del pending[b]
 
     def _flush(self) -> None:
         pending, live, heap = self._pending, self._live, self._heap
         if not pending:
             return
-        keys = self._next_uses(list(map(self._hash_of.__getitem__, pending)), self._clock())  # type: ignore[arg-type]
-        push = heapq.heappush
-        for (b, s), x in zip(pending.items(), keys):
-            live[b] = (-x, s)
-            push(heap, (-x, s, b))
+        blocks, seqs = list(pending), list(pending.values())
+        keys = [-x for x in self._next_uses(list(map(self._hash_of.__getitem__, blocks)), self._clock())]  # type: ignore[arg-type]
+        live.update(zip(blocks, zip(keys, seqs)))
+        entries = list(zip(keys, seqs, blocks))
         pending.clear()
-        if len(heap) > 4 * len(live) + 1024:
+        if len(heap) + len(entries) > 4 * len(live) + 1024:  # mostly stale entries: rebuild
             self._heap = [(k, s, b) for b, (k, s) in live.items()]
             heapq.heapify(self._heap)
+        elif 8 * len(entries) > len(heap):
+            heap += entries
+            heapq.heapify(heap)
+        else:
+            push = heapq.heappush
+            for e in entries:
+                push(heap, e)
 
     def pop(self, n: int) -> list[BlockId]:
         self._flush()
