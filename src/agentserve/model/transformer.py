@@ -165,14 +165,16 @@ class Transformer:
         cfg = self.config
         n = x.shape[0]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = layer.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(n, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        qkv = layer.qkv(x)
+        v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:
-            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = rms_norm(qkv[:, :q_size].view(n, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(qkv[:, q_size : q_size + kv_size].view(n, cfg.num_kv_heads, cfg.head_dim),
+                         layer.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # q and k rotated in one pass: half the small ops of a decode step's RoPE
+            qk = apply_rope(qkv[:, : q_size + kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         k_cache.index_copy_(0, write_slots, k)
         v_cache.index_copy_(0, write_slots, v)
         out = torch.empty_like(q)  # [num_tokens, heads, head_dim]
@@ -188,26 +190,29 @@ class Transformer:
 
     def _decode_attention(self, q: torch.Tensor, d: DecodeGroup, k_cache: torch.Tensor,
                           v_cache: torch.Tensor) -> torch.Tensor:
-        """One query per row over its padded context, as batched matmuls in fp32, one pair per
-        KV head (torch's CPU flash kernel is ~50x slower for a single query).
+        """One query per row over its padded context, as batched matmuls, one pair per KV head
+        (torch's CPU flash kernel is ~50x slower for a single query).
 
-        Layout matters more than flops here: the gathered keys/values are converted to fp32 while
-        contiguous, and each head's [B, context, dim] slice is a strided view that bmm reads in
-        place. Converting after a transpose, or letting matmul broadcast 4-d operands, made
-        strided copies that took 3-4x the time of the attention itself."""
+        Numerics follow torch's own flash kernel: scores and softmax in fp32, the probabilities
+        rounded to the cache dtype for the product with V (fp32 accumulation, one rounding).
+        Layout matters more than flops here: keys are converted to fp32 while contiguous, and
+        each head's [B, context, dim] slice is a strided view that bmm reads in place;
+        converting after a transpose, or letting matmul broadcast 4-d operands, made strided
+        copies that took 3-4x the time of the attention itself."""
         b, ctx = d.slots.shape
         kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
         group = q.shape[1] // kv_heads
         flat = d.slots.reshape(-1)
         keys = k_cache.index_select(0, flat).float().view(b, ctx, kv_heads, dim)
-        values = v_cache.index_select(0, flat).float().view(b, ctx, kv_heads, dim)
+        values = v_cache.index_select(0, flat).view(b, ctx, kv_heads, dim)
         queries = q.float().view(b, kv_heads, group, dim)
         out = []
         for h in range(kv_heads):
             scores = torch.bmm(queries[:, h], keys[:, :, h].transpose(1, 2)).mul_(self.scale)  # [B, group, context]
             if d.padding is not None:
                 scores.masked_fill_(d.padding, float("-inf"))
-            out.append(torch.bmm(torch.softmax(scores, dim=-1), values[:, :, h]))  # [B, group, dim]
+            probs = torch.softmax(scores, dim=-1).to(values.dtype)
+            out.append(torch.bmm(probs, values[:, :, h]))  # [B, group, dim]
         return torch.stack(out, dim=1).view(b, kv_heads * group, dim).to(q.dtype)
 
     def _chunk_attention(self, q: torch.Tensor, c: ChunkLayout, k_cache: torch.Tensor,
