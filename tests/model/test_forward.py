@@ -68,3 +68,28 @@ def test_two_chunks_in_one_batch_do_not_interfere():
         rb = hf(torch.tensor([b])).logits[0, -1]
     assert (out[0] - ra).abs().max() < 1e-4
     assert (out[1] - rb).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_group_with_different_context_lengths_matches_hf(arch):
+    """The batched decode path pads contexts to the longest; padding must be invisible."""
+    from agentserve.model.runner import ModelRunner
+
+    hf = tiny_hf_model(arch)
+    cfg = model_config_of(hf, arch)
+    model = Transformer(cfg, weights_of(hf, torch.float32))
+    runner = ModelRunner(model, 16, BLOCK, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 13, 4)]
+    tables = [[9, 2, 14, 5], [0, 11, 3, 7], [12, 6]]
+    for ids, blocks in zip(seqs, tables):  # prefill all but the last token
+        run_chunk(model, runner.kv, ids[:-1], 0, blocks)
+    contexts = [slots_for(blocks, 0, len(ids)) for ids, blocks in zip(seqs, tables)]
+    group = runner._decode_group([0, 1, 2], contexts)
+    assert group is not None and group.visible is not None
+    out = model.forward(torch.tensor([ids[-1] for ids in seqs]), torch.tensor([len(ids) - 1 for ids in seqs]),
+                        torch.stack([c[-1] for c in contexts]), [], runner.kv, torch.arange(3), group)
+    for row, ids in enumerate(seqs):
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0, -1]
+        assert (out[row] - ref).abs().max() < 1e-4

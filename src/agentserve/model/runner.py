@@ -47,11 +47,11 @@ class ModelRunner:
         padded = torch.zeros(len(rows), longest, dtype=torch.int64)  # pads read slot 0, masked out
         for i, x in enumerate(slots):
             padded[i, : len(x)] = x
-        padding = None
+        visible = None
         if min(lengths) != longest:
-            padding = (torch.arange(longest)[None, :] >= torch.tensor(lengths)[:, None])[:, None, :]
-            padding = padding.to(self.device)
-        return DecodeGroup(torch.tensor(rows, device=self.device), padded.to(self.device), padding)
+            visible = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+            visible = visible.to(self.device)
+        return DecodeGroup(torch.tensor(rows, device=self.device), padded.to(self.device), visible)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> dict[RequestId, int]:
