@@ -10,6 +10,7 @@ import torch
 
 from agentserve.config import CacheConfig
 from agentserve.model.config import ModelConfig
+from agentserve.model.cpu_kernels import load_cpu_kernels
 from agentserve.model.guided import GuidedDecoding
 from agentserve.model.loader import load_weights
 from agentserve.model.runner import ModelRunner, num_blocks_for_memory
@@ -42,7 +43,8 @@ def build_runner(model_dir: Path, config: ModelConfig, dtype: str, device: str |
     """tokenizer enables constrained decoding (its token table is built on first use)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     weights = {k: v.to(dev) for k, v in load_weights(model_dir, dt).items()}
-    model = Transformer(config, weights)
+    kernels = load_cpu_kernels() if dev.type == "cpu" else None
+    model = Transformer(config, weights, kernels=kernels)
     num_blocks = cache.num_blocks or num_blocks_for_memory(config, cache.block_size, cache.memory_gib, dt)
     guided = None if tokenizer is None else GuidedDecoding(tokenizer, config.vocab_size)
     runner = ModelRunner(model, num_blocks, cache.block_size, dt, dev, seed=seed, guided=guided)

@@ -51,7 +51,8 @@ class ModelRunner:
         if min(lengths) != longest:
             visible = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
             visible = visible.to(self.device)
-        return DecodeGroup(torch.tensor(rows, device=self.device), padded.to(self.device), visible)
+        return DecodeGroup(torch.tensor(rows, device=self.device), padded.to(self.device),
+                           torch.tensor(lengths, dtype=torch.int64, device=self.device), visible)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> dict[RequestId, int]:

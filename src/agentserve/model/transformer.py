@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from agentserve.model.config import ModelConfig
+from agentserve.model.cpu_kernels import CpuKernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +33,12 @@ class DecodeGroup:
     """All one-token chunks of a step, attended in one padded call per layer.
 
     rows: [B] their rows in the flat batch; slots: [B, max_context] context slots, padded;
-    visible: [B, 1, 1, max_context] True where a slot is real (None when no row is padded)."""
+    lengths: [B] context lengths; visible: [B, 1, 1, max_context] True where a slot is real
+    (None when no row is padded)."""
 
     rows: torch.Tensor
     slots: torch.Tensor
+    lengths: torch.Tensor
     visible: torch.Tensor | None
 
 
@@ -117,8 +120,10 @@ class Layer:
 
 
 class Transformer:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], pack: bool = True) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], pack: bool = True,
+                 kernels: CpuKernels | None = None) -> None:
         self.config = config
+        self.kernels = kernels  # C++ decode attention on CPU, where it could be built
         self.embed = weights["model.embed_tokens.weight"]
         self.lm_head = Linear(weights.get("lm_head.weight", self.embed), None, pack)
         self.norm = weights["model.norm.weight"]
@@ -192,13 +197,16 @@ class Transformer:
 
     def _decode_attention(self, q: torch.Tensor, d: DecodeGroup, k_cache: torch.Tensor,
                           v_cache: torch.Tensor) -> torch.Tensor:
-        """One query per row over its padded context, in one SDPA call for all rows.
+        """One query per row over its padded context: the C++ kernel where it was built (it
+        reads K/V in place), else one SDPA call for all rows.
 
         The query heads that share a KV head are folded into SDPA's query-length dimension
         ([B, kv_heads, group, dim] against [B, kv_heads, context, dim]): torch's CPU flash
         kernel then runs B * kv_heads blocks of `group` rows. With one query row per head it ran
         B * heads blocks of a single row and was ~20x slower; fp32 batched matmuls were ~1.5x
         slower, mostly converting the gathered KV."""
+        if self.kernels is not None and k_cache.device.type == "cpu" and self.kernels.supports(k_cache.shape[2]):
+            return self.kernels.decode_attention(q, k_cache, v_cache, d.slots, d.lengths, self.scale)
         b, ctx = d.slots.shape
         kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
         group = q.shape[1] // kv_heads

@@ -1,0 +1,67 @@
+"""Optional C++ kernels for the CPU forward, compiled once per machine by torch's extension
+builder (g++ and ninja; ~30 s the first time, cached under ~/.cache/torch_extensions).
+
+Why a kernel: a decode step's attention over the paged pool, done with torch ops, gathers
+every context into a new tensor and then calls SDPA, per layer. `csrc/decode_attention.cpp`
+reads the K/V rows in place by slot. Anything that stops the build (no compiler, a build
+error) leaves the torch path in use; the two are tested against each other and against an
+fp64 reference. AGENTSERVE_CPU_KERNELS=0 turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+DISABLE_ENV = "AGENTSERVE_CPU_KERNELS"
+HEAD_DIMS = (16, 32, 64, 128)  # compiled in; other head sizes use the torch path
+# -fopenmp at compile time only: at::parallel_for's pragmas then bind, when the module loads,
+# to the OpenMP runtime torch already loaded (one thread pool, not two).
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+@dataclass(frozen=True, slots=True)
+class CpuKernels:
+    module: Any
+
+    def supports(self, head_dim: int) -> bool:
+        return head_dim in HEAD_DIMS
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [B, heads, dim]; caches: [slots, kv_heads, dim]; slots: [B, L]; lengths: [B]."""
+        return self.module.decode_attention(q.contiguous(), k_cache, v_cache, slots, lengths, scale)
+
+
+def _cpu_tag() -> bytes:
+    """The build uses -march=native: the cached module is keyed on this CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return b"unknown"
+    return "\n".join([ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]).encode()
+
+
+def load_cpu_kernels() -> CpuKernels | None:
+    """The compiled kernels, or None (logged) where they cannot be built here."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        key = SOURCE.read_bytes() + _cpu_tag() + torch.__version__.encode() + " ".join(CFLAGS).encode()
+        module = load(name=f"agentserve_cpu_{hashlib.sha256(key).hexdigest()[:12]}", sources=[str(SOURCE)],
+                      extra_cflags=CFLAGS, verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
+        log.warning("C++ decode attention unavailable (%s: %s); using torch's SDPA", type(exc).__name__, exc)
+        return None
+    return CpuKernels(module)

@@ -1,0 +1,139 @@
+// Decode attention over the paged KV pool, read in place: one query token per sequence.
+//
+// q: [B, H, D]; k_cache, v_cache: [slots, KVH, D]; slots: [B, L] int64 (row b's first lens[b]
+// entries are its context); lens: [B] int64 -> out: [B, H, D], same dtype as q.
+// One task per (sequence, KV head), run by ATen's intra-op thread pool: the task's H / KVH
+// query heads share every K and V row it loads. Online softmax over tiles of the context, all
+// arithmetic in fp32 (bf16 rows are widened as they are read), so the numerics are those of
+// torch's flash kernel without its gather and per-call overheads. Built with -ffast-math for
+// vectorized exp: no infinities are used (the running max starts at a large negative finite
+// value, and each row stops at its length instead of being masked).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kTile = 128;
+constexpr float kMinusLarge = -1e30f;
+
+// Widen one row to fp32. bf16 is the high half of an fp32: a shift the compiler vectorizes.
+template <int D>
+inline void widen(const float* src, float* dst) {
+  for (int d = 0; d < D; ++d) dst[d] = src[d];
+}
+template <int D>
+inline void widen(const at::BFloat16* src, float* dst) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t wide[D];
+  for (int d = 0; d < D; ++d) wide[d] = static_cast<uint32_t>(bits[d]) << 16;
+  std::memcpy(dst, wide, sizeof(wide));
+}
+
+template <typename scalar_t, int D>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& slots, const at::Tensor& lens, float scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), KVH = k_cache.size(1), G = H / KVH, L = slots.size(1);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t row = KVH * D;  // elements between consecutive slots
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), s(G * kTile), m(G), l(G);
+    alignas(64) float kv[D];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, h = task % KVH, n = lp[b];
+      const int64_t* ctx = sp + b * L;
+      for (int64_t g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qp[(b * H + h * G + g) * D + d]) * scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), kMinusLarge);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+        const int64_t nt = std::min<int64_t>(kTile, n - t0);
+        for (int64_t t = 0; t < nt; ++t) {  // scores of every query head against this key
+          widen<D>(kp + ctx[t0 + t] * row + h * D, kv);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float dot = 0.f;
+            for (int d = 0; d < D; ++d) dot += qg[d] * kv[d];
+            s[g * kTile + t] = dot;
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {  // online softmax: rescale what came before
+          float* sg = s.data() + g * kTile;
+          float mx = m[g];
+          for (int64_t t = 0; t < nt; ++t) mx = std::max(mx, sg[t]);
+          const float corr = std::exp(m[g] - mx);
+          float sum = 0.f;
+          for (int64_t t = 0; t < nt; ++t) {
+            sg[t] = std::exp(sg[t] - mx);
+            sum += sg[t];
+          }
+          l[g] = l[g] * corr + sum;
+          m[g] = mx;
+          float* ag = acc.data() + g * D;
+          for (int d = 0; d < D; ++d) ag[d] *= corr;
+        }
+        for (int64_t t = 0; t < nt; ++t) {
+          widen<D>(vp + ctx[t0 + t] * row + h * D, kv);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = s[g * kTile + t];
+            float* ag = acc.data() + g * D;
+            for (int d = 0; d < D; ++d) ag[d] += p * kv[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / l[g];
+        for (int d = 0; d < D; ++d) op[(b * H + h * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                  const at::Tensor& lens, float scale, at::Tensor& out) {
+  switch (q.size(2)) {  // keep in step with HEAD_DIMS in cpu_kernels.py
+    case 16: return run<scalar_t, 16>(q, k, v, slots, lens, scale, out);
+    case 32: return run<scalar_t, 32>(q, k, v, slots, lens, scale, out);
+    case 64: return run<scalar_t, 64>(q, k, v, slots, lens, scale, out);
+    case 128: return run<scalar_t, 128>(q, k, v, slots, lens, scale, out);
+    default: TORCH_CHECK(false, "decode_attention: head_dim ", q.size(2), " not compiled (16, 32, 64, 128)");
+  }
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slots, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(slots.is_contiguous() && lens.is_contiguous(), "contiguous slots and lens");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "one dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 slots and lens");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.size(2) == k_cache.size(2), "q [B, H, D], cache [S, KVH, D]");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(slots.size(0) == q.size(0) && lens.size(0) == q.size(0), "one slots row and length per query");
+  auto out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    dispatch_dim<float>(q, k_cache, v_cache, slots, lens, static_cast<float>(scale), out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    dispatch_dim<at::BFloat16>(q, k_cache, v_cache, slots, lens, static_cast<float>(scale), out);
+  } else {
+    TORCH_CHECK(false, "decode_attention: dtype ", q.scalar_type(), " not supported (float32, bfloat16)");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
+}

@@ -1,0 +1,83 @@
+"""The C++ decode attention against an fp64 reference and against the torch path it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentserve.model import cpu_kernels
+from agentserve.model.runner import ModelRunner
+from agentserve.model.transformer import Transformer
+from tests.model.hf_tiny import model_config_of, tiny_hf_model, weights_of
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels.load_cpu_kernels()
+    if k is None:
+        pytest.skip("the C++ kernels could not be built here (see the logged reason); torch path only")
+    return k
+
+
+def reference(q, k_cache, v_cache, slots, lengths, scale):
+    """Plain fp64 attention, one (sequence, head) at a time."""
+    b, heads, dim = q.shape
+    group = heads // k_cache.shape[1]
+    out = torch.empty(b, heads, dim, dtype=torch.float64)
+    for i in range(b):
+        ctx = slots[i, : lengths[i]]
+        keys, values = k_cache[ctx].double(), v_cache[ctx].double()
+        for h in range(heads):
+            w = torch.softmax(keys[:, h // group] @ q[i, h].double() * scale, dim=0)
+            out[i, h] = w @ values[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (14, 2), (9, 3), (4, 4)])
+def test_kernel_matches_fp64_reference(kernels, dtype, tol, dim, heads, kv_heads):
+    gen = torch.Generator().manual_seed(dim * 100 + heads)
+    num_slots, longest = 4096, 300  # longer than a 128-key tile: the online softmax rescales
+    k_cache = torch.randn(num_slots, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_slots, kv_heads, dim, generator=gen).to(dtype)
+    lengths = torch.tensor([longest, 1, 129, 77])
+    slots = torch.stack([torch.randperm(num_slots, generator=gen)[:longest] for _ in lengths])  # scattered
+    q = (3 * torch.randn(len(lengths), heads, dim, generator=gen)).to(dtype)  # peaked softmax
+    out = kernels.decode_attention(q, k_cache, v_cache, slots, lengths, dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert (out.double() - reference(q, k_cache, v_cache, slots, lengths, dim**-0.5)).abs().max() < tol
+
+
+def test_kernel_rejects_what_it_was_not_built_for(kernels):
+    q = torch.randn(1, 4, 24)  # head_dim 24 is not compiled in
+    cache = torch.randn(8, 2, 24)
+    with pytest.raises(RuntimeError, match="head_dim 24"):
+        kernels.decode_attention(q, cache, cache, torch.zeros(1, 8, dtype=torch.int64), torch.tensor([8]), 1.0)
+    assert not kernels.supports(24) and kernels.supports(64)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_model_decode_with_kernel_equals_torch_path(kernels, arch):
+    hf = tiny_hf_model(arch)
+    cfg = model_config_of(hf, arch)
+    weights = weights_of(hf, torch.float32)
+    with_kernel, without = Transformer(cfg, weights, kernels=kernels), Transformer(cfg, weights)
+    runner = ModelRunner(without, 32, 4, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+    lengths = [9, 30, 2]
+    slots = [torch.randperm(128, generator=gen)[:n] for n in lengths]
+    for layer in range(cfg.num_layers):  # any cache contents will do: both paths read the same
+        runner.kv.k[layer].normal_(generator=gen)
+        runner.kv.v[layer].normal_(generator=gen)
+    group = runner._decode_group([0, 1, 2], slots)
+    ids, pos = torch.tensor([3, 4, 5]), torch.tensor([n - 1 for n in lengths])
+    write = torch.stack([s[-1] for s in slots])
+    a = with_kernel.forward(ids, pos, write, [], runner.kv, torch.arange(3), group)
+    b = without.forward(ids, pos, write, [], runner.kv, torch.arange(3), group)
+    assert (a - b).abs().max() < 1e-5
+
+
+def test_env_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    assert cpu_kernels.load_cpu_kernels() is None
