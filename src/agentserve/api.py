@@ -57,7 +57,10 @@ class LLM:
         device: str | None = None,
         seed: int = 0,
         cache_root: Path | None = None,
+        cpu_kernels: bool = True,
     ) -> None:
+        """cpu_kernels: on CPU, build and use the C++ decode-attention kernel (model/csrc/)
+        where a compiler is available; False keeps torch's SDPA."""
         from agentserve.model.build import build_runner
         from agentserve.model.loader import load_model_config, load_tokenizer, resolve_model_dir
 
@@ -67,7 +70,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.model_dir)
         cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib)
         built = build_runner(self.model_dir, self.model_config, dtype, device, cache, seed,
-                             tokenizer=self.tokenizer)
+                             tokenizer=self.tokenizer, cpu_kernels=cpu_kernels)
         self.device = built.device
         self.runner = built.runner
         self.scheduler_config = SchedulerConfig(

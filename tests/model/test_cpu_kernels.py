@@ -78,6 +78,12 @@ def test_model_decode_with_kernel_equals_torch_path(kernels, arch):
     assert (a - b).abs().max() < 1e-5
 
 
-def test_env_turns_the_kernels_off(monkeypatch):
-    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
-    assert cpu_kernels.load_cpu_kernels() is None
+def test_kernels_can_be_turned_off(kernels, smollm2_dir):
+    from agentserve.config import CacheConfig
+    from agentserve.model.build import build_runner
+    from agentserve.model.loader import load_model_config
+
+    config, cache = load_model_config(smollm2_dir), CacheConfig(block_size=16, num_blocks=8)
+    on = build_runner(smollm2_dir, config, "float32", "cpu", cache, 0)
+    off = build_runner(smollm2_dir, config, "float32", "cpu", cache, 0, cpu_kernels=False)
+    assert on.runner.model.kernels is not None and off.runner.model.kernels is None

@@ -39,11 +39,12 @@ class BuiltRunner:
 
 
 def build_runner(model_dir: Path, config: ModelConfig, dtype: str, device: str | None,
-                 cache: CacheConfig, seed: int, tokenizer: Any = None) -> BuiltRunner:
-    """tokenizer enables constrained decoding (its token table is built on first use)."""
+                 cache: CacheConfig, seed: int, tokenizer: Any = None, cpu_kernels: bool = True) -> BuiltRunner:
+    """tokenizer enables constrained decoding (its token table is built on first use);
+    cpu_kernels builds the C++ decode attention on CPU (torch's SDPA where it cannot be built)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     weights = {k: v.to(dev) for k, v in load_weights(model_dir, dt).items()}
-    kernels = load_cpu_kernels() if dev.type == "cpu" else None
+    kernels = load_cpu_kernels() if cpu_kernels and dev.type == "cpu" else None
     model = Transformer(config, weights, kernels=kernels)
     num_blocks = cache.num_blocks or num_blocks_for_memory(config, cache.block_size, cache.memory_gib, dt)
     guided = None if tokenizer is None else GuidedDecoding(tokenizer, config.vocab_size)

@@ -5,14 +5,13 @@ Why a kernel: a decode step's attention over the paged pool, done with torch ops
 every context into a new tensor and then calls SDPA, per layer. `csrc/decode_attention.cpp`
 reads the K/V rows in place by slot. Anything that stops the build (no compiler, a build
 error) leaves the torch path in use; the two are tested against each other and against an
-fp64 reference. AGENTSERVE_CPU_KERNELS=0 turns the kernel off.
+fp64 reference. `LLM(cpu_kernels=False)` / `agentserve serve --no-cpu-kernels` turn it off.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-DISABLE_ENV = "AGENTSERVE_CPU_KERNELS"
 HEAD_DIMS = (16, 32, 64, 128)  # compiled in; other head sizes use the torch path
 # -fopenmp at compile time only: at::parallel_for's pragmas then bind, when the module loads,
 # to the OpenMP runtime torch already loaded (one thread pool, not two).
@@ -53,8 +51,6 @@ def _cpu_tag() -> bytes:
 
 def load_cpu_kernels() -> CpuKernels | None:
     """The compiled kernels, or None (logged) where they cannot be built here."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None
     try:
         from torch.utils.cpp_extension import load
 

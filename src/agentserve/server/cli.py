@@ -16,7 +16,7 @@ def build_state(args: argparse.Namespace):
               block_size=args.block_size, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
-              device=args.device, cache_root=args.cache_root)
+              device=args.device, cache_root=args.cache_root, cpu_kernels=not args.no_cpu_kernels)
     if llm.runner.guided is not None:
         llm.runner.guided.warm()  # constrained decoding's token table: built now, not on a request
     return ServerState(llm=llm, model_name=args.served_model_name or args.model,
@@ -69,5 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-cpu-kernels", action="store_true",
+                   help="use torch's SDPA for CPU decode attention instead of the C++ kernel")
     p.add_argument("--tool-parser", default="auto", choices=["auto", "hermes", "json", "qwen3_xml"])
     p.set_defaults(func=run)
