@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -87,3 +89,12 @@ def test_kernels_can_be_turned_off(kernels, smollm2_dir):
     on = build_runner(smollm2_dir, config, "float32", "cpu", cache, 0)
     off = build_runner(smollm2_dir, config, "float32", "cpu", cache, 0, cpu_kernels=False)
     assert on.runner.model.kernels is not None and off.runner.model.kernels is None
+
+
+def test_the_pinned_ninja_is_found_without_an_activated_venv(tmp_path):
+    import ninja
+
+    assert cpu_kernels.path_with_ninja(str(tmp_path)).split(os.pathsep)[0] == ninja.BIN_DIR
+    (tmp_path / "ninja").write_text("#!/bin/sh\n")
+    (tmp_path / "ninja").chmod(0o755)
+    assert cpu_kernels.path_with_ninja(str(tmp_path)) == str(tmp_path)  # one already on PATH wins

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,10 +51,25 @@ def _cpu_tag() -> bytes:
     return "\n".join([ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]).encode()
 
 
+def path_with_ninja(path: str) -> str:
+    """torch's builder runs `ninja` from PATH; the pinned one lives in this environment's bin
+    directory, which is not on PATH when the venv's python is run without activating it."""
+    if shutil.which("ninja", path=path) is not None:
+        return path
+    try:
+        import ninja
+    except ImportError:
+        return path
+    return os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+
+
 def load_cpu_kernels() -> CpuKernels | None:
     """The compiled kernels, or None (logged) where they cannot be built here."""
     try:
         from torch.utils.cpp_extension import load
+
+        # a process-wide change, made only here: torch's builder has no other way to find ninja
+        os.environ["PATH"] = path_with_ninja(os.environ.get("PATH", ""))
 
         key = SOURCE.read_bytes() + _cpu_tag() + torch.__version__.encode() + " ".join(CFLAGS).encode()
         module = load(name=f"agentserve_cpu_{hashlib.sha256(key).hexdigest()[:12]}", sources=[str(SOURCE)],
