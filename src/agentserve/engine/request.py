@@ -13,12 +13,26 @@ from agentserve.kv.hashing import BlockHash, ExtraKeys
 RequestId = NewType("RequestId", str)
 
 
+class GuideFormat(enum.Enum):
+    JSON_SCHEMA = "json_schema"  # text is a serialized JSON schema
+    LARK = "lark"  # text is a Lark grammar in llguidance's dialect (may embed %json{...})
+
+
 @dataclass(frozen=True, slots=True)
 class Guide:
-    """Constrained decoding: every sampled token keeps the output a prefix of a valid JSON value
-    of this schema, and the request ends when the value is complete."""
+    """Constrained decoding: every sampled token keeps the output a prefix of a string the
+    grammar accepts, and the request ends when the grammar is complete."""
 
-    json_schema: str  # serialized JSON schema
+    format: GuideFormat
+    text: str
+
+    @classmethod
+    def json_schema(cls, schema: str) -> Guide:
+        return cls(GuideFormat.JSON_SCHEMA, schema)
+
+    @classmethod
+    def lark(cls, grammar: str) -> Guide:
+        return cls(GuideFormat.LARK, grammar)
 
 
 @dataclass(frozen=True, slots=True)

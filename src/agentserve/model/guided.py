@@ -16,7 +16,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from agentserve.engine.request import Guide, RequestId
+from agentserve.engine.request import Guide, GuideFormat, RequestId
 
 
 class GuideError(ValueError):
@@ -43,8 +43,10 @@ class GuidedDecoding:
 
     @staticmethod
     def grammar(guide: Guide) -> str:
+        if guide.format is GuideFormat.LARK:
+            return llguidance.LLMatcher.grammar_from_lark(guide.text)
         return llguidance.LLMatcher.grammar_from_json_schema(
-            guide.json_schema, defaults={"whitespace_flexible": True})
+            guide.text, defaults={"whitespace_flexible": True})
 
     @staticmethod
     def validate(guide: Guide) -> None:

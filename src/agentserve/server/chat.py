@@ -34,7 +34,7 @@ def _check_tools(tools: list[Tool]) -> None:
         if tool.function.parameters.get("type", "object") != "object":
             raise APIError(400, f"{param}: must be a JSON schema of type object", param=param)
         try:
-            GuidedDecoding.validate(Guide(json.dumps(tool.function.parameters)))
+            GuidedDecoding.validate(Guide.json_schema(json.dumps(tool.function.parameters)))
         except GuideError as exc:
             raise APIError(400, f"{param}: invalid JSON schema: {exc}", param=param) from exc
         if tool.function.name in names:
@@ -54,8 +54,8 @@ def _guide(req: ChatCompletionRequest) -> Guide | None:
         chosen = [t for t in tools if t.function.name == name]
         if not chosen:
             raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-        return Guide(json.dumps(call_schema(chosen[0])))
-    return Guide(json.dumps({"anyOf": [call_schema(t) for t in tools]}))
+        return Guide.json_schema(json.dumps(call_schema(chosen[0])))
+    return Guide.json_schema(json.dumps({"anyOf": [call_schema(t) for t in tools]}))
 
 
 def _arguments(raw: str | dict[str, Any], where: str) -> dict[str, Any]:
