@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from agentserve.engine.scheduler import Scheduler
 from agentserve.kv.block_pool import BlockPool
 
 Prompt = str | Sequence[int]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,7 @@ class CompletionOutput:
     num_recomputed_tokens: int
     time_to_first_token_s: float | None  # arrival -> first token
     latency_s: float  # arrival -> finish
+    error: str | None = None  # with finish_reason ERROR: why this request failed
 
 
 class _Decoder:
@@ -73,9 +76,13 @@ class LLM:
                              tokenizer=self.tokenizer, cpu_kernels=cpu_kernels)
         self.device = built.device
         self.runner = built.runner
+        context, self.max_model_len_note = _fit_context(
+            min(max_model_len or self.model_config.max_position_embeddings,
+                self.model_config.max_position_embeddings), built.num_blocks, block_size)
+        if self.max_model_len_note:
+            log.warning("%s", self.max_model_len_note)
         self.scheduler_config = SchedulerConfig(
-            max_model_len=min(max_model_len or self.model_config.max_position_embeddings,
-                              self.model_config.max_position_embeddings),
+            max_model_len=context,
             block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
@@ -141,8 +148,19 @@ class LLM:
             num_reused_tokens=out.num_reused_tokens, num_prefilled_tokens=out.num_prefilled_tokens,
             num_generated_tokens=out.num_generated_tokens,
             num_recomputed_tokens=out.num_recomputed_tokens, time_to_first_token_s=ttft,
-            latency_s=now - out.arrival_time,
+            latency_s=now - out.arrival_time, error=out.error,
         )
+
+
+def _fit_context(max_model_len: int, num_blocks: int, block_size: int) -> tuple[int, str | None]:
+    """The context the KV pool can hold for one sequence, and a note when that is less than
+    asked: every accepted request must be able to finish alone (engine/scheduler.py)."""
+    held = num_blocks * block_size
+    if max_model_len <= held:
+        return max_model_len, None
+    return held, (f"max_model_len lowered from {max_model_len} to {held} tokens: the KV pool holds "
+                  f"{num_blocks} blocks of {block_size} tokens; give it more memory "
+                  "(kv_cache_memory_gib / --kv-cache-memory-gib) for a longer context")
 
 
 __all__ = ["LLM", "SamplingParams", "CompletionOutput"]

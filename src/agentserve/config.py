@@ -13,11 +13,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     enable_prefix_caching: bool = True
     eos_token_ids: tuple[int, ...] = ()  # end a request unless ignore_eos
+    # Waiting requests that do not fit now and are passed over in one step to admit the ones
+    # behind them; bounds the per-step admission cost when many large requests wait.
+    admission_lookahead: int = 8
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.admission_lookahead < 0:
+            raise ValueError(f"admission_lookahead must be >= 0, got {self.admission_lookahead}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,3 +38,34 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.memory_gib <= 0:
             raise ValueError(f"memory_gib must be > 0, got {self.memory_gib}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The HTTP server's bounds (docs/reliability.md). A request past a bound is refused at
+    the door (429 with Retry-After, 413) so that every accepted request completes and memory
+    stays bounded."""
+
+    # Accepted requests that have not produced a token yet (being read, queued, in prefill).
+    max_queued_requests: int = 256
+    # Their prompt tokens; a request alone is accepted even above this (a long prompt must run).
+    max_queued_prompt_tokens: int = 262_144
+    max_request_body_bytes: int = 8 * 2**20
+    request_body_timeout_s: float = 60.0  # a client that takes longer to send its body: 408
+    # A streaming client that takes no data for this long is dropped, and its request aborted.
+    stream_stall_timeout_s: float = 60.0
+    # /health says 503 when one engine step has run this long (a wedged step loop).
+    engine_stall_timeout_s: float = 300.0
+    # After an unrecoverable engine failure: how long failed requests get to receive their
+    # errors before the process exits non-zero (for a supervisor to restart it).
+    failure_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_requests", "max_queued_prompt_tokens", "max_request_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("request_body_timeout_s", "stream_stall_timeout_s", "engine_stall_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.failure_grace_s < 0:
+            raise ValueError(f"failure_grace_s must be >= 0, got {self.failure_grace_s}")

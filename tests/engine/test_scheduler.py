@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agentserve.config import SchedulerConfig
-from agentserve.engine.engine import Engine
+from agentserve.engine.engine import Engine, RunResult
 from agentserve.engine.request import FinishReason, SamplingParams
 from agentserve.engine.scheduler import Batch, Scheduler
 from agentserve.kv.block_pool import BlockPool
@@ -17,9 +17,9 @@ class FakeRunner:
     def __init__(self) -> None:
         self.batches: list[Batch] = []
 
-    def run(self, batch: Batch) -> dict:
+    def run(self, batch: Batch) -> RunResult:
         self.batches.append(batch)
-        return {c.request_id: (c.token_ids[-1] + 1) % 1000 for c in batch.chunks if c.sample}
+        return RunResult({c.request_id: (c.token_ids[-1] + 1) % 1000 for c in batch.chunks if c.sample})
 
 
 def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, caching=True, eos=(999,)):
@@ -164,14 +164,18 @@ def test_bad_sampling_params():
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
-    with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=-1)
+    for t in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=t)
 
 
-def test_prompt_larger_than_pool_is_rejected():
+def test_request_whose_longest_sequence_exceeds_the_pool_is_rejected():
     engine, _ = make(num_blocks=2, block_size=4)
-    with pytest.raises(ValueError, match="needs 3 KV blocks; the pool has 2"):
+    # 8 prompt + 16 generated - 1 (the last token's KV is never computed) = 23 tokens: 6 blocks
+    with pytest.raises(ValueError, match="needs up to 6 KV blocks .24 tokens.; the pool has 2"):
         engine.add(list(range(8)), SamplingParams())
+    engine.add(list(range(5)), SamplingParams(max_tokens=4))  # 8 tokens: exactly 2 blocks
+    assert drain(engine)
 
 
 def test_request_waits_for_a_prefix_being_computed_instead_of_computing_it_twice():

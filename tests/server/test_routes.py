@@ -176,25 +176,3 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(run_with_client, n
         ok = await c.post("/v1/chat/completions", json=chat())
         assert ok.status_code == 200
     run_with_client(go)
-
-
-def test_consumer_going_away_mid_stream_frees_blocks(run_with_client):
-    import asyncio
-
-    from agentserve.engine.request import SamplingParams
-    from agentserve.server.generation import outputs
-
-    async def go(c, state):
-        queue = await state.async_engine().add([1, 2, 3, 4], SamplingParams(max_tokens=500, ignore_eos=True), "gone")
-        gen = outputs(state.async_engine(), "gone", queue, state.metrics, "test")
-        await gen.__anext__()
-        await gen.__anext__()
-        pool = state.llm.engine.scheduler.pool
-        assert pool.stats().num_used > 0
-        await gen.aclose()  # what a client disconnect does to the response's generator
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if not state.llm.engine.has_unfinished():
-                break
-        assert pool.stats().num_used == 0
-    run_with_client(go)

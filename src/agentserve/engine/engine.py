@@ -2,6 +2,12 @@
 
 step() is schedule -> run -> update, then stop strings. It is synchronous; a server drives it
 from its own thread.
+
+Faults: a failure that belongs to one request (the runner could not sample its row, its stop
+strings could not be checked) ends that request with FinishReason.ERROR and its reason; the
+others in the batch go on. An exception that escapes step() means the engine's own state can
+no longer be trusted (the forward failed, an invariant broke): the caller must fail every
+request and stop using the engine (server/async_engine.py does).
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from agentserve.engine.request import (
@@ -20,16 +26,26 @@ from agentserve.engine.request import (
     SamplingParams,
     make_output,
 )
+from agentserve.engine.detokenize import IncrementalDecoder
 from agentserve.engine.scheduler import Batch, Scheduler
 from agentserve.kv.hashing import ExtraKeys
 
 Clock = Callable[[], float]
 
 
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """A run's sampled token per sampling chunk, except the requests in `failed` (with why),
+    whose rows could not be sampled (a row with no allowed token, a grammar error)."""
+
+    sampled: dict[RequestId, int]
+    failed: dict[RequestId, str] = field(default_factory=dict)
+
+
 class Runner(Protocol):
     """Computes a batch and samples: the real model, or a cost model in the simulator."""
 
-    def run(self, batch: Batch) -> dict[RequestId, int]: ...
+    def run(self, batch: Batch) -> RunResult: ...
 
 
 class Detokenizer(Protocol):
@@ -54,6 +70,7 @@ class Engine:
         self.detokenizer = detokenizer
         self._ids = itertools.count()
         self._extra_keys: dict[str | None, ExtraKeys] = {}
+        self._stop_text: dict[RequestId, IncrementalDecoder] = {}  # requests with stop strings
 
     def add(
         self,
@@ -82,6 +99,9 @@ class Engine:
             arrival_time=self.clock(),
         )
         self.scheduler.add(request)
+        if sampling.stop:
+            assert self.detokenizer is not None
+            self._stop_text[rid] = IncrementalDecoder(self.detokenizer.decode)
         return rid
 
     def _keys(self, cache_salt: str | None) -> ExtraKeys:
@@ -92,6 +112,7 @@ class Engine:
 
     def abort(self, request_id: RequestId) -> RequestOutput | None:
         """Stop a request now and free its blocks. None if it already finished or is unknown."""
+        self._stop_text.pop(request_id, None)
         request = self.scheduler.finish(request_id, FinishReason.ABORT)
         return None if request is None else make_output(request, ())
 
@@ -102,22 +123,37 @@ class Engine:
         batch = self.scheduler.schedule(self.clock())
         if not batch.chunks:
             return []
-        sampled = self.runner.run(batch)
-        outputs = self.scheduler.update(batch, sampled, self.clock())
+        result = self.runner.run(batch)
+        outputs = self.scheduler.update(batch, result.sampled, self.clock(), result.failed)
         return [self._check_stop_strings(o) for o in outputs]
 
     def _check_stop_strings(self, output: RequestOutput) -> RequestOutput:
-        request = self.scheduler.requests.get(output.request_id)
-        if output.finished or request is None or not request.sampling.stop:
+        decoder = self._stop_text.get(output.request_id)
+        if decoder is None:
             return output
-        assert self.detokenizer is not None
-        text = self.detokenizer.decode(request.output_token_ids)
-        # Only the tail can hold a new match: earlier text was checked in earlier steps.
-        window = len(self.detokenizer.decode(output.new_token_ids)) + max(map(len, request.sampling.stop))
-        tail_start = max(0, len(text) - window)
-        hits = [(i, s) for s in request.sampling.stop if (i := text.find(s, tail_start)) >= 0]
-        if not hits:
+        if output.finished:
+            del self._stop_text[output.request_id]
             return output
-        _, stop = min(hits)
+        request = self.scheduler.requests[output.request_id]
+        try:
+            stop = _find_stop(decoder, output.new_token_ids, request.sampling.stop)
+        except Exception as exc:  # this request's tokens or text: the others go on
+            del self._stop_text[output.request_id]
+            self.scheduler.finish(request.request_id, FinishReason.ERROR, f"stop-string check failed: {exc!r}")
+            return make_output(request, output.new_token_ids)
+        if stop is None:
+            return output
+        del self._stop_text[output.request_id]
         self.scheduler.finish(request.request_id, FinishReason.STOP)
         return replace(make_output(request, output.new_token_ids), matched_stop=stop)
+
+
+def _find_stop(decoder: IncrementalDecoder, new_token_ids: Sequence[int], stops: Sequence[str]) -> str | None:
+    """The stop string that the new ids complete, if any (the earliest in the text). Only text
+    that reaches into the new part can hold a new match: earlier text was checked before."""
+    old_len = len(decoder.text)
+    if not decoder.add(new_token_ids):
+        return None
+    text = decoder.text
+    hits = [(i, s) for s in stops if (i := text.find(s, max(0, old_len - len(s) + 1))) >= 0]
+    return min(hits)[1] if hits else None

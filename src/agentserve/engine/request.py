@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NewType, Protocol, overload
@@ -53,8 +54,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
@@ -63,6 +64,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.guide is not None and self.min_tokens:
+            # A constrained value ends when the grammar completes, where only end-of-sequence is
+            # allowed; min_tokens would mask that too and leave no token to sample.
+            raise ValueError("min_tokens cannot be combined with a guide (constrained decoding): "
+                             "the output ends when the constrained value is complete")
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +99,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # end-of-sequence, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"
+    ERROR = "error"  # this request failed (its error says why); the others are unaffected
 
 
 @dataclass(slots=True)
@@ -112,6 +119,7 @@ class Request:
     sampling: SamplingParams
     extra_keys: ExtraKeys
     arrival_time: float
+    priority: int = 0  # arrival order, set by Scheduler.add: lower runs first, is preempted last
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[BlockId] = field(default_factory=list)
@@ -123,6 +131,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why it failed, with finish_reason ERROR
 
     @property
     def num_tokens(self) -> int:
@@ -154,6 +163,7 @@ class RequestOutput:
     first_scheduled_time: float | None
     first_token_time: float | None
     matched_stop: str | None = None  # the stop string that ended the request (not in the text)
+    error: str | None = None  # with finish_reason ERROR: what failed in this request
 
 
 def make_output(
@@ -174,4 +184,5 @@ def make_output(
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
         matched_stop=matched_stop,
+        error=request.error,
     )

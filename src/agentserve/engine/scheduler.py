@@ -2,16 +2,26 @@
 
 Each request's num_computed_tokens catches up to its num_tokens: a prompt is computed in
 chunks under the step's token budget, a running request then computes one token per step, and
-prefill chunks and decodes share a step. Running requests go first, in admission order; new
-ones are admitted while budget, sequence slots and free blocks last (optimistic: no blocks are
-reserved for future decode steps). When a running request cannot get a block, the most recently
-admitted running request is preempted: its blocks are freed last-first so its shared prefix
-stays cached, and it is recomputed later from whatever prefix is still cached.
+prefill chunks and decodes share a step. Admission is optimistic: no blocks are reserved for
+future decode steps.
+
+Priority is arrival order (`Request.priority`, set by `add`): running requests get the step's
+budget in that order, and when a request cannot get a block the latest-arriving running
+request is preempted (its blocks freed last-first so its shared prefix stays cached; it is
+recomputed later from whatever prefix is still cached). So a request is never preempted for a
+later arrival, and the earliest unfinished request always runs: if it is waiting, it is
+admitted first, preempting later arrivals for a sequence slot or blocks. Since `add` accepts
+only requests whose longest possible sequence fits the pool alone, the earliest request
+advances every step exactly as it would alone, so every request finishes within the solo step
+counts of those that arrived before it, plus its own (tests/engine/test_scheduler_properties.py).
+Other waiting requests are admitted in priority order while budget, slots and blocks last;
+one that does not fit now is passed over (up to `admission_lookahead` of them per step), so
+it never blocks the smaller ones behind it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -45,10 +55,24 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class Preemption:
+    """A scheduling decision: `request_id` lost its blocks so that `by` could run (`by` is
+    the request itself when it was the latest arrival and the free blocks ran out)."""
+
+    request_id: RequestId
+    by: RequestId
+    for_slot: bool  # True: `by` needed a sequence slot; False: it needed blocks
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     chunks: tuple[ScheduledChunk, ...]
-    preempted: tuple[RequestId, ...]
+    preemptions: tuple[Preemption, ...]
     finished: tuple[RequestId, ...] = ()  # ended since the last batch: runner state to drop
+
+    @property
+    def preempted(self) -> tuple[RequestId, ...]:
+        return tuple(p.request_id for p in self.preemptions)
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +81,10 @@ class Batch:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _priority(request: Request) -> int:
+    return request.priority
 
 
 def _frozen(token_ids: Sequence[int]) -> Sequence[int]:
@@ -69,29 +97,42 @@ class Scheduler:
         assert pool.block_size == config.block_size
         self.config = config
         self.pool = pool
-        self.waiting: deque[Request] = deque()
+        # Both lists are kept in priority (arrival) order.
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
         self._finished: list[RequestId] = []
+        self._next_priority = 0
 
     # ── admission and removal ─────────────────────────────────────────────────────────────
+    def max_sequence_blocks(self, request: Request) -> int:
+        """Blocks the request holds at most: its longest sequence (prompt + max_tokens, capped
+        by the context) less the last token, whose KV is never computed."""
+        longest = min(request.num_prompt_tokens + request.sampling.max_tokens, self.config.max_model_len)
+        return _cdiv(max(longest, request.num_tokens + 1) - 1, self.pool.block_size)
+
     def add(self, request: Request) -> None:
-        """Queue a request; raises ValueError if it can never run."""
+        """Queue a request; raises ValueError if it can never run. A request is accepted only
+        if its longest sequence fits the pool alone, so every accepted request can finish."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         n, limit = request.num_tokens, self.config.max_model_len
         if n >= limit:
             raise ValueError(f"prompt has {n} tokens; the model's context is {limit} (prompt + at least 1 generated)")
-        needed = _cdiv(n + 1, self.pool.block_size)
+        needed = self.max_sequence_blocks(request)
         if needed > self.pool.num_blocks:
+            bs = self.pool.block_size
             raise ValueError(
-                f"prompt of {n} tokens needs {needed} KV blocks; the pool has {self.pool.num_blocks}"
-            )
+                f"prompt of {n} tokens with max_tokens {request.sampling.max_tokens} needs up to "
+                f"{needed} KV blocks ({needed * bs} tokens); the pool has {self.pool.num_blocks} "
+                f"({self.pool.num_blocks * bs} tokens): lower max_tokens or the prompt")
+        request.priority = self._next_priority
+        self._next_priority += 1
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.append(request)  # the latest arrival: the end of the priority order
 
-    def finish(self, request_id: RequestId, reason: FinishReason) -> Request | None:
-        """End a request (abort, stop string): free its blocks at once. None if unknown."""
+    def finish(self, request_id: RequestId, reason: FinishReason, error: str | None = None) -> Request | None:
+        """End a request (abort, stop string, a failure): free its blocks at once. None if unknown."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -103,6 +144,7 @@ class Scheduler:
         self._finished.append(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.error = error
         return request
 
     def has_unfinished(self) -> bool:
@@ -112,63 +154,89 @@ class Scheduler:
     def schedule(self, now: float) -> Batch:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        preempted: list[RequestId] = []
+        preemptions: list[Preemption] = []
+        self._admit_earliest(preemptions)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._grow(request, n, preempted):
+            if not self._grow(request, n, preemptions):
                 continue  # request itself was preempted; running[i] is now the next one
             chunks.append(self._chunk(request, n, now))
             budget -= n
             i += 1
-        if not preempted:
+        if not preemptions:  # admitting now would only make new victims
             budget = self._admit(budget, chunks, now)
         finished: tuple[RequestId, ...] = ()
         if chunks:  # an empty batch is not run: keep the list for the next one
             finished, self._finished = tuple(self._finished), []
-        return Batch(chunks=tuple(chunks), preempted=tuple(preempted), finished=finished)
+        return Batch(chunks=tuple(chunks), preemptions=tuple(preemptions), finished=finished)
 
-    def _grow(self, request: Request, n: int, preempted: list[RequestId]) -> bool:
-        """Give request blocks for n more tokens, preempting from the back. False if the
-        request had to preempt itself."""
+    def _earliest_waiting(self) -> Request | None:
+        """The earliest unfinished request, if it is waiting (it then runs this step)."""
+        if not self.waiting:
+            return None
+        head = self.waiting[0]
+        return head if not self.running or head.priority < self.running[0].priority else None
+
+    def _admit_earliest(self, preemptions: list[Preemption]) -> None:
+        """Admit the earliest unfinished request if it waits, with its cached prefix and a slot,
+        preempting later arrivals for the slot; its blocks come in the running loop (`_grow`),
+        preempting later arrivals too. It always fits: `add` checked it fits the pool alone."""
+        request = self._earliest_waiting()
+        if request is None:
+            return
+        while len(self.running) >= self.config.max_num_seqs:
+            self._preempt(self.running[-1], request, preemptions, for_slot=True)
+        del self.waiting[0]
+        matched = self._match(request)
+        self._start(request, matched, 0, len(matched) * self.pool.block_size)
+
+    def _grow(self, request: Request, n: int, preemptions: list[Preemption]) -> bool:
+        """Give request blocks for n more tokens, preempting the latest arrivals. False if the
+        request was the latest and had to preempt itself."""
         need = _cdiv(request.num_computed_tokens + n, self.pool.block_size) - len(request.block_ids)
         while need > self.pool.num_free_blocks:
             victim = self.running[-1]
-            self._preempt(victim)
-            preempted.append(victim.request_id)
+            self._preempt(victim, request, preemptions, for_slot=False)
             if victim is request:
                 return False
         if need > 0:
             request.block_ids.extend(self.pool.allocate(need))
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, by: Request, preemptions: list[Preemption], for_slot: bool) -> None:
+        assert by.priority <= request.priority, "a request is preempted only for an earlier arrival"
         self.running.remove(request)
         self._free_blocks(request)
         request.num_recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        bisect.insort(self.waiting, request, key=_priority)
+        preemptions.append(Preemption(request.request_id, by.request_id, for_slot))
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk], now: float) -> int:
-        """Admit waiting requests in order while budget, slots and blocks last. A request whose
+        """Admit waiting requests in priority order while budget, slots and blocks last, passing
+        over up to `admission_lookahead` that cannot be admitted now (they are admitted in
+        priority order once they fit, or first once they are the earliest). A request whose
         next uncached block is being computed right now by a running request waits a step
         rather than compute it twice (agents starting together share their system prompt)."""
         in_flight: set[BlockHash] | None = None
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        i = passed = 0
+        while (i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and passed <= self.config.admission_lookahead):
             request = self.waiting[i]
             matched = self._match(request)
             if self.config.enable_prefix_caching and len(matched) < len(request.block_hashes):
                 in_flight = self._in_flight() if in_flight is None else in_flight
                 if request.block_hashes[len(matched)] in in_flight:
-                    i += 1
+                    i, passed = i + 1, passed + 1
                     continue
             computed, n, need = self._admission(request, matched, budget)
             if need > self.pool.num_free_blocks - self.pool.count_free(matched):
-                break
+                i, passed = i + 1, passed + 1
+                continue
             del self.waiting[i]
             self._start(request, matched, need, computed)
             if in_flight is not None:
@@ -198,7 +266,7 @@ class Scheduler:
             request.num_recomputed_tokens -= min(computed, request.num_recomputed_tokens)
         request.num_computed_tokens = computed
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        bisect.insort(self.running, request, key=_priority)
 
     def _match(self, request: Request) -> list[BlockId]:
         """Longest cached prefix in full blocks, leaving at least one token to compute."""
@@ -232,12 +300,19 @@ class Scheduler:
         return tuple(sorted(set(eos) | set(sp.stop_token_ids)))
 
     # ── update ────────────────────────────────────────────────────────────────────────────
-    def update(self, batch: Batch, sampled: Mapping[RequestId, int], now: float) -> list[RequestOutput]:
+    def update(self, batch: Batch, sampled: Mapping[RequestId, int], now: float,
+               failed: Mapping[RequestId, str] | None = None) -> list[RequestOutput]:
+        """Apply a run's results. `failed` names requests whose row the runner could not
+        sample (with why): each ends with FinishReason.ERROR; the others are unaffected."""
         outputs: list[RequestOutput] = []
         for chunk in batch.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted between schedule and update
+            if failed and chunk.request_id in failed:
+                self.finish(request.request_id, FinishReason.ERROR, failed[chunk.request_id])
+                outputs.append(make_output(request, ()))
+                continue
             request.num_computed_tokens += len(chunk.token_ids)
             self._publish(request)
             if not chunk.sample:
@@ -284,23 +359,30 @@ class Scheduler:
     def decode_horizon(self) -> int:
         """How many next steps are pure decode steps (engine/decode_run.py): decode_ahead(k)
         for any k up to this number is exactly k schedule/update steps. 0 when there are none."""
-        blocked = not self.waiting or len(self.running) >= self.config.max_num_seqs or self._head_blocked()
+        if self._earliest_waiting() is not None:
+            return 0  # it is admitted in the next step
+        blocked = not self.waiting or len(self.running) >= self.config.max_num_seqs or self._admission_blocked()
         return decode_horizon(self.running, 0 if blocked else len(self.waiting), self.config,
                               self.pool.num_free_blocks)
 
-    def _head_blocked(self) -> bool:
-        """Admission stops at the first waiting request; True if it cannot be admitted now and
-        pure decode steps cannot change that: they only take free blocks (need and the free
-        blocks outside its match never improve), and the only publish that could extend its
-        match is of its next block hash."""
-        request = self.waiting[0]
+    def _admission_blocked(self) -> bool:
+        """True if `_admit` would admit none of the waiting requests it looks at (the first
+        admission_lookahead + 1) now, and pure decode steps cannot change that."""
         budget = self.config.max_num_batched_tokens - len(self.running)
-        matched = self._match(request)
-        _, _, need = self._admission(request, matched, budget)
-        if budget <= 0 or need <= self.pool.num_free_blocks - self.pool.count_free(matched):
-            return budget <= 0
-        if len(matched) < len(request.block_hashes):
-            return request.block_hashes[len(matched)] not in self._in_flight()
+        if budget <= 0:
+            return True
+        in_flight: set[BlockHash] | None = None
+        for request in self.waiting[: self.config.admission_lookahead + 1]:
+            matched = self._match(request)
+            _, _, need = self._admission(request, matched, budget)
+            if need <= self.pool.num_free_blocks - self.pool.count_free(matched):
+                return False  # admitted now, or a step after its next block is published
+            # Pure decode steps only take free blocks (its need and the free blocks outside its
+            # match never improve); only a publish of its next block hash could extend its match.
+            if len(matched) < len(request.block_hashes):
+                in_flight = self._in_flight() if in_flight is None else in_flight
+                if request.block_hashes[len(matched)] in in_flight:
+                    return False
         return True
 
     def decode_ahead(self, num_steps: int, token_id: int) -> list[RequestOutput]:

@@ -55,24 +55,41 @@ class GuidedDecoding:
         if error:
             raise GuideError(error)
 
-    def mask(self, logits: torch.Tensor, rows: Sequence[tuple[RequestId, Guide | None]]) -> None:
-        """Set logits of tokens the grammar forbids to -inf, in place. logits: [rows, vocab]."""
+    def mask(self, logits: torch.Tensor, rows: Sequence[tuple[RequestId, Guide | None]]) -> dict[RequestId, str]:
+        """Set logits of tokens the grammar forbids to -inf, in place. logits: [rows, vocab].
+        Returns the requests whose grammar failed (with why); their rows are left as they were."""
         guided = [(i, rid, g) for i, (rid, g) in enumerate(rows) if g is not None]
         if not guided:
-            return
+            return {}
+        failed: dict[RequestId, str] = {}
         bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
         bitmask.fill_(-1)  # all allowed for unguided rows
         for i, rid, guide in guided:
-            matcher = self._matchers.get(rid)
-            if matcher is None:
-                matcher = self._matchers[rid] = llguidance.LLMatcher(self.tokenizer(), self.grammar(guide))
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
+            try:
+                matcher = self._matchers.get(rid)
+                if matcher is None:
+                    matcher = self._matchers[rid] = llguidance.LLMatcher(self.tokenizer(), self.grammar(guide))
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
+                if matcher.is_error():
+                    failed[rid] = f"constrained decoding failed: {matcher.get_error()}"
+            except Exception as exc:  # this request's grammar alone
+                failed[rid] = f"constrained decoding failed: {exc}"
+            if rid in failed:
+                bitmask[i].fill_(-1)
         llguidance.torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+        return failed
 
-    def accept(self, request_id: RequestId, token: int) -> None:
+    def accept(self, request_id: RequestId, token: int) -> str | None:
+        """Advance the request's grammar by the sampled token; why it failed, or None."""
         matcher = self._matchers.get(request_id)
-        if matcher is not None:
-            matcher.consume_token(token)
+        if matcher is None:
+            return None
+        try:
+            if matcher.consume_token(token) and not matcher.is_error():
+                return None
+            return f"constrained decoding failed: {matcher.get_error() or 'token rejected'}"
+        except Exception as exc:
+            return f"constrained decoding failed: {exc}"
 
     def release(self, request_ids: Iterable[RequestId]) -> None:
         for rid in request_ids:

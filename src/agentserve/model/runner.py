@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from agentserve.engine.engine import RunResult
 from agentserve.engine.request import RequestId
 from agentserve.engine.scheduler import Batch
 from agentserve.model.config import ModelConfig
@@ -55,7 +56,7 @@ class ModelRunner:
                            torch.tensor(lengths, dtype=torch.int64, device=self.device), visible)
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> dict[RequestId, int]:
+    def run(self, batch: Batch) -> RunResult:
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
         write_slots: list[torch.Tensor] = []
@@ -86,18 +87,28 @@ class ModelRunner:
             torch.tensor(logit_rows, dtype=torch.int64, device=dev),
             self._decode_group(decode_rows, decode_slots),
         )
-        sampled_chunks = [c for c in batch.chunks if c.sample]
+        return self._sample(batch, logits)
+
+    def _sample(self, batch: Batch, logits: torch.Tensor) -> RunResult:
+        """Masks, samples and advances grammars row by row: a row that fails fails its
+        request alone (RunResult.failed)."""
+        chunks = [c for c in batch.chunks if c.sample]
+        failed: dict[RequestId, str] = {}
         if self.guided is not None:
             self.guided.release(batch.finished)
-            self.guided.mask(logits, [(c.request_id, c.sampling.guide) for c in sampled_chunks])
-        tokens = sample(
-            logits,
-            [c.sampling for c in sampled_chunks],
-            [c.output_index for c in sampled_chunks],
-            [c.suppressed_token_ids for c in sampled_chunks],
-            self.generator,
-        )
+            failed |= self.guided.mask(logits, [(c.request_id, c.sampling.guide) for c in chunks])
+        keep = [i for i, c in enumerate(chunks) if c.request_id not in failed]
+        if len(keep) < len(chunks):
+            chunks, logits = [chunks[i] for i in keep], logits[keep]
+        out = sample(logits, [c.sampling for c in chunks], [c.output_index for c in chunks],
+                     [c.suppressed_token_ids for c in chunks], self.generator)
+        failed |= {chunks[row].request_id: why for row, why in out.failed.items()}
+        sampled = {chunks[row].request_id: t for row, t in out.tokens.items()}
         if self.guided is not None:
-            for c, t in zip(sampled_chunks, tokens, strict=True):
-                self.guided.accept(c.request_id, t)
-        return {c.request_id: t for c, t in zip(sampled_chunks, tokens, strict=True)}
+            for rid, t in sampled.items():
+                why = self.guided.accept(rid, t)
+                if why is not None:
+                    failed[rid] = why
+            for rid in failed:
+                sampled.pop(rid, None)
+        return RunResult(sampled, failed)

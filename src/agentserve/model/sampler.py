@@ -2,15 +2,27 @@
 
 A seeded request draws token k from a generator seeded by (seed, k), so its output does not
 depend on what else is in the batch, on chunking, or on preemption.
+
+Every accepted parameter is safe: logits are sampled in fp32, shifted so the largest is 0
+before dividing by the temperature (no overflow for any temperature > 0), and a row that
+cannot be sampled (NaN or +inf logits, or no allowed token left after the masks) fails alone:
+its request ends with an error and the other rows are sampled as usual.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from agentserve.engine.request import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    tokens: dict[int, int]  # row -> token id
+    failed: dict[int, str]  # row -> why it could not be sampled
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
@@ -28,26 +40,53 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -
     return logits
 
 
+def _draw(row: torch.Tensor, sp: SamplingParams, output_index: int, generator: torch.Generator) -> int:
+    # row: [vocab] fp32 with a finite maximum
+    scaled = (row - row.max()) / sp.temperature  # the best token scores 0: softmax never sums to 0
+    probs = torch.softmax(_filter_top_k_top_p(scaled, sp.top_k, sp.top_p), dim=-1)
+    gen = generator
+    if sp.seed is not None:
+        gen = torch.Generator(device=row.device)
+        gen.manual_seed((sp.seed * 1_000_003 + output_index) % (2**63))
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def _unsampleable(logits: torch.Tensor) -> dict[int, str]:
+    """Rows that no sampling method can draw from, with why."""
+    broken = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1).tolist()
+    empty = (~torch.isfinite(logits).any(dim=-1)).tolist()
+    failed = {}
+    for row, (b, e) in enumerate(zip(broken, empty, strict=True)):
+        if b:
+            failed[row] = "the model produced NaN or infinite logits for this request"
+        elif e:
+            failed[row] = "no token is allowed at this position (every token was masked)"
+    return failed
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     output_index: Sequence[int],
     suppressed: Sequence[tuple[int, ...]],
     generator: torch.Generator,
-) -> list[int]:
-    """logits: [rows, vocab] fp32 -> one token id per row."""
+) -> Sampled:
+    """logits: [rows, vocab] -> one token id per row, or why a row could not be sampled."""
+    logits = logits.float()
     for row, ids in enumerate(suppressed):
         if ids:
             logits[row, list(ids)] = float("-inf")
-    tokens = logits.argmax(dim=-1).tolist()
+    failed = _unsampleable(logits)
+    greedy = logits.argmax(dim=-1).tolist()
+    tokens: dict[int, int] = {}
     for row, sp in enumerate(params):
-        if sp.greedy:
+        if row in failed:
             continue
-        filtered = _filter_top_k_top_p(logits[row] / sp.temperature, sp.top_k, sp.top_p)
-        probs = torch.softmax(filtered, dim=-1)
-        gen = generator
-        if sp.seed is not None:
-            gen = torch.Generator(device=logits.device)
-            gen.manual_seed((sp.seed * 1_000_003 + output_index[row]) % (2**63))
-        tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
-    return tokens
+        if sp.greedy:
+            tokens[row] = greedy[row]
+            continue
+        try:
+            tokens[row] = _draw(logits[row], sp, output_index[row], generator)
+        except RuntimeError as exc:  # this row alone
+            failed[row] = f"sampling failed: {exc}"
+    return Sampled(tokens, failed)

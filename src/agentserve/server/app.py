@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import time
@@ -12,10 +13,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from agentserve.config import ServerConfig
 from agentserve.engine.request import RequestOutput, SamplingParams
 from agentserve.server import chat_routes, completion_routes
-from agentserve.server.async_engine import AsyncEngine
+from agentserve.server.admission import Admission, Overloaded
+from agentserve.server.async_engine import AsyncEngine, EngineUnavailable
+from agentserve.server.door import Door, overloaded, slot_of
 from agentserve.server.errors import APIError, install_handlers
+from agentserve.server.generation import Generation
 from agentserve.server.metrics import Metrics
 from agentserve.server.protocol import _Sampling
 from agentserve.server.sessions import Session, SessionClosedError, SessionRegistry
@@ -27,10 +32,16 @@ class ServerState:
     llm: Any  # agentserve.api.LLM: tokenizer, engine, model config
     model_name: str
     tool_parser: ToolParser
+    config: ServerConfig = field(default_factory=ServerConfig)
     metrics: Metrics = field(default_factory=Metrics)
     sessions: SessionRegistry = field(default_factory=lambda: SessionRegistry(time.time))
     engine: AsyncEngine | None = None
     ids: itertools.count = field(default_factory=itertools.count)
+    admission: Admission = field(init=False)
+    live: dict[str, Generation] = field(default_factory=dict)  # accepted, not yet closed
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.config, time.monotonic)
 
     @property
     def tokenizer(self) -> Any:
@@ -43,6 +54,23 @@ class ServerState:
     def async_engine(self) -> AsyncEngine:
         assert self.engine is not None, "the engine thread starts with the app"
         return self.engine
+
+    def engine_failure(self) -> str | None:
+        return None if self.engine is None else self.engine.failure
+
+    def health_problem(self) -> tuple[str, str] | None:
+        """(status, reason) when this server should not get traffic, else None."""
+        engine = self.engine
+        if engine is None:
+            return "starting", "the engine is not running yet"
+        if engine.failure is not None:
+            return "failed", engine.failure
+        if not engine.thread_alive:
+            return "failed", "the engine's step loop has exited"
+        started = engine.step_started
+        if started is not None and time.monotonic() - started > self.config.engine_stall_timeout_s:
+            return "stalled", f"one engine step has run for {time.monotonic() - started:.0f} s"
+        return None
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -76,13 +104,41 @@ class ServerState:
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
-    async def start(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                    body: _Sampling) -> Any:
+    async def start(self, request: Request, request_id: str, prompt: list[int],
+                    sampling: SamplingParams, body: _Sampling, route: str) -> Generation:
+        """Admit a request (its queue slot taken at the door) and hand it to the engine. The
+        caller owns the returned Generation and must close it (generation.py)."""
+        slot = slot_of(request.scope)
+        if slot is None:
+            raise RuntimeError(f"{route}: a generation route was reached without the door")
         try:
-            return await self.async_engine().add(prompt, sampling, request_id, body.cache_salt)
+            self.admission.admit(slot, len(prompt))
+        except Overloaded as exc:
+            raise overloaded(exc) from exc
+        try:
+            stream = await self.async_engine().add(prompt, sampling, request_id, body.cache_salt)
         except ValueError as exc:
             code = "context_length_exceeded" if "context" in str(exc) else "invalid_value"
             raise APIError(400, str(exc), code=code) from exc
+        except EngineUnavailable as exc:
+            raise APIError(503, f"the engine failed and this server is stopping: {exc}",
+                           type_="server_error", code="engine_failed") from exc
+        generation = Generation(self.async_engine(), request_id, stream, slot, self.admission,
+                                self.metrics, route, lambda g: self.live.pop(g.request_id, None))
+        self.live[request_id] = generation
+        return generation
+
+    async def reap_stalled(self) -> None:
+        """Drop streaming readers that took nothing for stream_stall_timeout_s (their
+        requests are aborted): a client that stops reading cannot hold KV or memory."""
+        timeout = self.config.stream_stall_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            for g in list(self.live.values()):
+                since = g.stream.pending_since
+                if since is not None and now - since > timeout:
+                    g.drop(f"its client took no output for {now - since:.0f} s")
 
     def finish(self, session_id: str | None, out: RequestOutput) -> None:
         if session_id is not None:
@@ -93,32 +149,40 @@ class ServerState:
 def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        import asyncio
-
         loop = asyncio.get_running_loop()
-        if state.engine is not None:  # the CLI runs the step loop on the main thread
-            state.engine.bind(loop)
-            yield
-            return
-        state.engine = AsyncEngine(state.llm.engine, on_step=state.metrics.on_step)
-        state.engine.start(loop)
+        reaper = asyncio.create_task(state.reap_stalled())
+        own_engine = state.engine is None  # else the CLI runs the step loop on the main thread
+        if own_engine:
+            state.engine = AsyncEngine(state.llm.engine, on_step=state.metrics.on_step)
+            state.engine.start(loop)
+        else:
+            state.async_engine().bind(loop)
         try:
             yield
         finally:
-            state.engine.shutdown()
+            reaper.cancel()
+            if own_engine:
+                state.async_engine().shutdown()
 
     app = FastAPI(title="agentserve", lifespan=lifespan)
     app.state.agentserve = state
+    app.add_middleware(Door, state=state)
     install_handlers(app)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        problem = state.health_problem()
+        if problem is not None:
+            return JSONResponse({"status": problem[0], "reason": problem[1]}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "agentserve", "max_model_len": state.max_model_len}]}
+        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "agentserve",
+                "max_model_len": state.max_model_len}
+        if state.llm.max_model_len_note:
+            card["max_model_len_note"] = state.llm.max_model_len_note
+        return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
     async def metrics() -> Response:

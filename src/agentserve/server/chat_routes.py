@@ -7,9 +7,12 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
 from agentserve.server.chat import build_chat_prompt
-from agentserve.server.generation import FINISH, TextState, outputs, sse, streaming, usage
+from agentserve.server.generation import (
+    DONE, FINISH, ClientGone, Generation, TextState, collect, sse, streaming, until_disconnected,
+    usage)
 from agentserve.server.protocol import ChatCompletionRequest
 from agentserve.server.tool_parsers import StreamingToolParser, ToolCall, extract
 
@@ -35,14 +38,17 @@ def register(app: FastAPI, state: ServerState) -> None:
                                   prompt.guide)
         rid = f"chatcmpl-{next(state.ids)}"
         session_id = state.session_of(body, request, rid)
-        queue = await state.start(rid, prompt.token_ids, sampling, body)
-        outs = outputs(state.async_engine(), rid, queue, state.metrics, "chat", request.is_disconnected)
+        gen = await state.start(request, rid, prompt.token_ids, sampling, body, "chat")
         text = TextState(state.tokenizer, sampling.stop)
         head = {"id": rid, "created": int(time.time()), "model": state.model_name}
         if body.stream:
-            return streaming(_stream(state, body, prompt.tools, outs, text, head, session_id))
-        async for out in outs:
-            text.add(out)
+            return streaming(_stream(state, body, prompt.tools, gen, text, head, session_id), gen)
+        try:
+            await until_disconnected(request, collect(gen, text))
+        except ClientGone:
+            return Response(status_code=499)  # nobody is left to read it
+        finally:
+            gen.close()
         assert text.last is not None
         state.finish(session_id, text.last)
         parsed = extract(state.tool_parser, text.text, prompt.tools) if prompt.tools else None
@@ -56,7 +62,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
 
 async def _stream(state: ServerState, body: ChatCompletionRequest, tools: dict[str, Any],
-                  outs: AsyncIterator[Any], text: TextState, head: dict[str, Any],
+                  gen: Generation, text: TextState, head: dict[str, Any],
                   session_id: str | None) -> AsyncIterator[str]:
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
         return sse({**head, "object": "chat.completion.chunk",
@@ -64,7 +70,7 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, tools: dict[s
 
     parser = StreamingToolParser(state.tool_parser, tools) if tools else None
     yield chunk({"role": "assistant", "content": ""})
-    async for out in outs:
+    async for out in gen.outputs():
         delta, _ = text.add(out)
         shown = parser.feed(delta) if parser else delta
         if shown:
@@ -82,4 +88,4 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, tools: dict[s
     yield chunk({}, _finish_reason(text.last.finish_reason.value, bool(calls)))
     if body.stream_options and body.stream_options.include_usage:
         yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(text.last, session_id)})
-    yield "data: [DONE]\n\n"
+    yield DONE

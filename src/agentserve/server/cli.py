@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
+from typing import Any
 
+from agentserve.config import ServerConfig
 from agentserve.server.tool_parsers import get_parser
+
+log = logging.getLogger("agentserve.serve")
 
 
 def build_state(args: argparse.Namespace):
@@ -20,11 +25,27 @@ def build_state(args: argparse.Namespace):
     if llm.runner.guided is not None:
         llm.runner.guided.warm()  # constrained decoding's token table: built now, not on a request
     return ServerState(llm=llm, model_name=args.served_model_name or args.model,
-                       tool_parser=get_parser(args.tool_parser))
+                       tool_parser=get_parser(args.tool_parser), config=server_config(args))
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        max_queued_requests=args.max_queued_requests,
+        max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+        max_request_body_bytes=args.max_request_body_bytes,
+        stream_stall_timeout_s=args.stream_stall_timeout,
+        engine_stall_timeout_s=args.engine_stall_timeout)
 
 
 def run(args: argparse.Namespace) -> int:
-    """HTTP on a second thread, the engine's step loop on the main thread (faster there)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(build_state(args), args.host, args.port)
+
+
+def serve(state: Any, host: str, port: int) -> int:
+    """HTTP on a second thread, the engine's step loop on the main thread (faster there).
+    Returns the exit status: 0 after a signal, 1 after an unrecoverable engine failure (once
+    every failed request got its error, or failure_grace_s passed) so a supervisor restarts it."""
     import signal
     import threading
 
@@ -33,10 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from agentserve.server.app import build_app
     from agentserve.server.async_engine import AsyncEngine
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    state = build_state(args)
     engine = state.engine = AsyncEngine(state.llm.engine, on_step=state.metrics.on_step)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host=args.host, port=args.port,
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host=host, port=port,
                                            log_level="info", timeout_graceful_shutdown=5))
     http = threading.Thread(target=server.run, name="agentserve-http", daemon=True)
 
@@ -49,10 +68,21 @@ def run(args: argparse.Namespace) -> int:
     http.start()
     try:
         engine.run_here(alive=http.is_alive)
+        if engine.failure is not None:
+            _drain(state, state.config.failure_grace_s)
+            log.error("exiting with status 1 after an unrecoverable engine failure: %s", engine.failure)
+            return 1
     finally:
         server.should_exit = True
         http.join(timeout=15)
     return 0
+
+
+def _drain(state: Any, grace_s: float) -> None:
+    """Give the requests failed by the engine a moment to send their errors."""
+    deadline = time.monotonic() + grace_s
+    while state.live and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -72,4 +102,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="use torch's SDPA for CPU decode attention instead of the C++ kernel")
     p.add_argument("--tool-parser", default="auto", choices=["auto", "hermes", "json", "qwen3_xml"])
+    d = ServerConfig()
+    g = p.add_argument_group("bounds (docs/reliability.md)")
+    g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="requests accepted but not yet producing tokens; past it: 429")
+    g.add_argument("--max-queued-prompt-tokens", type=int, default=d.max_queued_prompt_tokens,
+                   help="their prompt tokens; past it: 429 (a request alone is always accepted)")
+    g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="a larger body: 413")
+    g.add_argument("--stream-stall-timeout", type=float, default=d.stream_stall_timeout_s,
+                   metavar="SECONDS", help="drop a streaming client that reads nothing this long")
+    g.add_argument("--engine-stall-timeout", type=float, default=d.engine_stall_timeout_s,
+                   metavar="SECONDS", help="/health is 503 while one engine step runs this long")
     p.set_defaults(func=run)

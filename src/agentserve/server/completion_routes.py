@@ -7,8 +7,11 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
-from agentserve.server.generation import FINISH, TextState, outputs, sse, streaming, usage
+from agentserve.server.generation import (
+    DONE, FINISH, ClientGone, Generation, TextState, collect, sse, streaming, until_disconnected,
+    usage)
 from agentserve.server.protocol import CompletionRequest
 
 if TYPE_CHECKING:
@@ -26,14 +29,17 @@ def register(app: FastAPI, state: ServerState) -> None:
         sampling = state.sampling(body, len(prompt), body.max_tokens or 16)
         rid = f"cmpl-{next(state.ids)}"
         session_id = state.session_of(body, request, rid)
-        queue = await state.start(rid, prompt, sampling, body)
-        outs = outputs(state.async_engine(), rid, queue, state.metrics, "completions", request.is_disconnected)
+        gen = await state.start(request, rid, prompt, sampling, body, "completions")
         text = TextState(state.tokenizer, sampling.stop)
         head = {"id": rid, "created": int(time.time()), "model": state.model_name}
         if body.stream:
-            return streaming(_stream(state, body, prompt, outs, text, head, session_id))
-        async for out in outs:
-            text.add(out)
+            return streaming(_stream(state, body, prompt, gen, text, head, session_id), gen)
+        try:
+            await until_disconnected(request, collect(gen, text))
+        except ClientGone:
+            return Response(status_code=499)  # nobody is left to read it
+        finally:
+            gen.close()
         assert text.last is not None
         state.finish(session_id, text.last)
         choice: dict[str, Any] = {"index": 0, "text": text.text, "logprobs": None,
@@ -44,9 +50,9 @@ def register(app: FastAPI, state: ServerState) -> None:
 
 
 async def _stream(state: ServerState, body: CompletionRequest, prompt: list[int],
-                  outs: AsyncIterator[Any], text: TextState, head: dict[str, Any],
+                  gen: Generation, text: TextState, head: dict[str, Any],
                   session_id: str | None) -> AsyncIterator[str]:
-    async for out in outs:
+    async for out in gen.outputs():
         delta, ids = text.add(out)
         choice: dict[str, Any] = {"index": 0, "text": delta, "logprobs": None,
                                   "finish_reason": FINISH[out.finish_reason.value] if out.finished else None}
@@ -59,4 +65,4 @@ async def _stream(state: ServerState, body: CompletionRequest, prompt: list[int]
     state.finish(session_id, text.last)
     if body.stream_options and body.stream_options.include_usage:
         yield sse({**head, "object": "text_completion", "choices": [], "usage": usage(text.last, session_id)})
-    yield "data: [DONE]\n\n"
+    yield DONE

@@ -1,46 +1,55 @@
-"""One request's outputs as text: incremental detokenization, stop-string hold-back, usage."""
+"""One request in the server: its outputs as text (stop-string hold-back), usage, its lifecycle
+(abort on disconnect, errors), SSE."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from agentserve.engine.request import RequestOutput
-from agentserve.server.async_engine import AsyncEngine, EngineFailure
+from agentserve.engine.detokenize import IncrementalDecoder
+from agentserve.engine.request import FinishReason, RequestOutput
+from agentserve.server.admission import Admission, Slot
+from agentserve.server.async_engine import AsyncEngine, EngineFailure, RequestStream
 from agentserve.server.errors import APIError
 from agentserve.server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
 class TextState:
-    """Output so far. Invariants: `emitted` is a prefix of the final text; `text` is the
-    decoded output without an incomplete UTF-8 tail.
-
-    Detokenization is incremental (as vLLM does it): each step decodes only the ids from
-    `_prefix` on, and the new text is what decoding them adds to decoding ids[_prefix:_read].
-    Starting both decodes at the same id keeps tokenizers that drop a leading space at a
-    sequence start exact; decoding the whole output every step cost O(n) per token."""
+    """Output so far. Invariant: `emitted` is a prefix of the final text; a stop string may be
+    starting in the text held back."""
 
     tokenizer: Any
     stop: tuple[str, ...]
-    token_ids: list[int] = field(default_factory=list)
+    decoder: IncrementalDecoder = field(init=False)
     text: str = ""
     emitted: int = 0
     last: RequestOutput | None = None
-    _prefix: int = 0
-    _read: int = 0
+
+    def __post_init__(self) -> None:
+        tok = self.tokenizer
+        self.decoder = IncrementalDecoder(lambda ids: tok.decode(list(ids), skip_special_tokens=True))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.decoder.token_ids
 
     def add(self, out: RequestOutput) -> tuple[str, list[int]]:
         """Append an output; return the text and ids that can be shown now."""
-        self.token_ids.extend(out.new_token_ids)
         self.last = out
-        self._detokenize(flush=out.finished)
+        self.decoder.add(out.new_token_ids, flush=out.finished)
+        self.text = self.decoder.text
         if out.finished:
             if out.matched_stop is not None:
                 self.text = self.text[: self.text.find(out.matched_stop)]
@@ -50,15 +59,6 @@ class TextState:
             safe = max(self.emitted, len(self.text) - hold)
         delta, self.emitted = self.text[self.emitted : safe], safe
         return delta, list(out.new_token_ids)
-
-    def _detokenize(self, flush: bool) -> None:
-        ids, decode = self.token_ids, self.tokenizer.decode
-        before = decode(ids[self._prefix : self._read], skip_special_tokens=True)
-        after = decode(ids[self._prefix :], skip_special_tokens=True)
-        # an incomplete UTF-8 sequence decodes to U+FFFD: wait for the ids that complete it
-        if len(after) > len(before) and (flush or not after.endswith("\ufffd")):
-            self.text += after[len(before) :]
-            self._prefix, self._read = self._read, len(ids)
 
 
 def usage(out: RequestOutput, session_id: str | None) -> dict[str, Any]:
@@ -77,38 +77,98 @@ def usage(out: RequestOutput, session_id: str | None) -> dict[str, Any]:
     }
 
 
-FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 
 
-async def outputs(engine: AsyncEngine, request_id: str, stream: asyncio.Queue,
-                  metrics: Metrics, route: str, is_disconnected: Callable[[], Any] | None = None,
-                  ) -> AsyncIterator[RequestOutput]:
-    """The request's outputs until it finishes. Aborts it if the consumer goes away (a client
-    disconnect cancels this generator) so its blocks are freed at once."""
-    finished = False
-    last_time: float | None = None
-    try:
-        while not finished:
-            try:
-                item = await asyncio.wait_for(stream.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if is_disconnected is not None and await is_disconnected():
-                    return
-                continue
-            if isinstance(item, EngineFailure):
-                finished = True
-                raise APIError(500, item.message, type_="server_error")
+class ClientGone(Exception):
+    """The client disconnected, or stopped reading a stream for too long."""
+
+
+class Generation:
+    """One accepted request in the server, from `ServerState.start` to its end.
+
+    Invariant: `close()` runs exactly once per request — in the route's `finally`, or as the
+    streaming response's close hook — and, unless the request's last output arrived, aborts
+    it in the engine (freeing its blocks at once) whatever the reason: the client went away
+    (at any moment, before the first token too), the handler failed or was cancelled, the
+    reader stalled. It also gives back the request's queue slot."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: RequestStream, slot: Slot,
+                 admission: Admission, metrics: Metrics, route: str,
+                 on_close: Callable[[Generation], None]) -> None:
+        self.engine, self.request_id, self.stream, self.slot = engine, request_id, stream, slot
+        self.admission, self.metrics, self.route = admission, metrics, route
+        self._on_close = on_close
+        self.finished = False
+        self._closed = False
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes. Raises APIError when it failed (500 for
+        its own fault, 503 when the engine failed) and ClientGone when its reader stalled."""
+        last_time: float | None = None
+        while not self.finished:
+            item = await self.stream.get()
             now = time.monotonic()
-            if last_time is not None and item.new_token_ids:
-                metrics.itl.observe(now - last_time)
+            if self.stream.stalled:
+                raise ClientGone()
+            if isinstance(item, EngineFailure):
+                self.finished = True  # the engine dropped it already
+                raise APIError(503, item.message, type_="server_error", code="engine_failed")
+            if last_time is None:
+                self.slot.started()
+                self.admission.observe_wait(now - item.arrival_time)
+            elif item.new_token_ids:
+                self.metrics.itl.observe(now - last_time)
             last_time = now
-            finished = item.finished
-            if finished:
-                metrics.on_finish(route, item, now)
+            self.finished = item.finished
+            if self.finished:
+                self.metrics.on_finish(self.route, item, now)
+            if item.finish_reason is FinishReason.ERROR:
+                raise APIError(500, f"this request failed: {item.error}", type_="server_error",
+                               code="request_failed")
             yield item
+
+    def drop(self, why: str) -> None:
+        """Its reader stalled: abort the request and wake its handler to end."""
+        log.warning("%s: %s; aborting it", self.request_id, why)
+        self.stream.drop()
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self.finished:
+            self.engine.abort(self.request_id)
+        self.slot.release()
+        self._on_close(self)
+
+
+async def collect(gen: Generation, text: TextState) -> None:
+    """A non-streaming response's whole output."""
+    async for out in gen.outputs():
+        text.add(out)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """The result of `work`, or ClientGone as soon as the client disconnects (it is then
+    cancelled). For non-streaming responses: nothing is sent until the end, so only the
+    ASGI receive channel tells that the client went away."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ClientGone()
     finally:
-        if not finished:
-            engine.abort(request_id)
+        watch.cancel()
+        task.cancel()
+
+
+async def _disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def sse(obj: Any) -> str:
@@ -116,6 +176,38 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def streaming(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+DONE = "data: [DONE]\n\n"
+
+
+async def _events(body: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A route's SSE events; a failure after the stream started is sent as an OpenAI error
+    event, then [DONE] (the status line went out already)."""
+    try:
+        async for event in body:
+            yield event
+    except APIError as exc:
+        yield sse(exc.body())
+        yield DONE
+    except ClientGone:
+        return
+
+
+class _GenerationResponse(StreamingResponse):
+    """Closes its Generation when the response ends, however it ends (finished, client gone,
+    cancelled): Starlette cancels a stream whose client disconnects, possibly before the
+    body's first line ran, so the close cannot live inside the body's generator."""
+
+    def __init__(self, body: AsyncIterator[str], generation: Generation) -> None:
+        super().__init__(_events(body), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.generation = generation
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
+
+
+def streaming(body: AsyncIterator[str], generation: Generation) -> StreamingResponse:
+    return _GenerationResponse(body, generation)
