@@ -46,3 +46,37 @@ def run_with_client(smol_llm):
                 return await fn(client, state)
         return asyncio.run(main())
     return runner
+
+
+@contextlib.contextmanager
+def http_server(llm: LLM, config=None):
+    """The app on a real uvicorn server on a free 127.0.0.1 port, in a thread of this process
+    (its engine on another, as `build_app`'s lifespan runs it). Yields (base_url, state)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from agentserve.config import ServerConfig
+
+    state = ServerState(llm=llm, model_name="smollm2-135m", tool_parser=get_parser("auto"),
+                        config=config or ServerConfig())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        assert not llm.engine.has_unfinished()
+        llm.engine.scheduler.pool.check()

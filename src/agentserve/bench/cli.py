@@ -55,6 +55,27 @@ def _agent(args: argparse.Namespace) -> int:
     return 0
 
 
+def _overload(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from agentserve.bench.overload import run_overload
+
+    r = run_overload(args.model, args.max_queued_requests, args.factor, args.large_bytes,
+                     args.max_request_body_bytes, args.max_tokens, args.serve_arg or [])
+    t = Table(title=f"overload: a burst of {r.sent} requests ({args.factor}x the queue bound "
+                    f"{args.max_queued_requests}) against {args.model}")
+    for col in ("completed", "shed 429", "413", "other 4xx", "lost", "wall s", "RSS idle / peak MiB",
+                "alive", "used blocks after"):
+        t.add_column(col, justify="right")
+    t.add_row(str(r.completed), str(r.shed), str(r.too_large), str(r.rejected), str(r.lost),
+              f"{r.wall_s:.1f}", f"{r.idle_rss_mib:.0f} / {r.peak_rss_mib:.0f}", str(r.alive_after),
+              str(r.used_blocks_after))
+    Console().print(t)
+    if args.json:
+        Path(args.json).write_text(json.dumps(asdict(r), indent=2))
+    return 0 if r.lost == 0 and r.alive_after and r.used_blocks_after == 0 else 1
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
     sub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -75,3 +96,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("--think-time", type=float, default=2.0)
     a.add_argument("--json", default=None)
     a.set_defaults(func=_agent)
+    o = sub.add_parser("overload", help="a burst of 10x the queue bound against a server it starts")
+    o.add_argument("--model", default="qwen2.5-coder-0.5b")
+    o.add_argument("--max-queued-requests", type=int, default=32)
+    o.add_argument("--factor", type=int, default=10, help="the burst is this many times the bound")
+    o.add_argument("--large-bytes", type=int, default=1 << 20, help="size of every 10th request's content")
+    o.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    o.add_argument("--max-tokens", type=int, default=16)
+    o.add_argument("--serve-arg", action="append", help="an extra argument for `agentserve serve`")
+    o.add_argument("--json", default=None)
+    o.set_defaults(func=_overload)

@@ -4,7 +4,8 @@ A seeded request draws token k from a generator seeded by (seed, k), so its outp
 depend on what else is in the batch, on chunking, or on preemption.
 
 Every accepted parameter is safe: logits are sampled in fp32, shifted so the largest is 0
-before dividing by the temperature (no overflow for any temperature > 0), and a row that
+before dividing by the temperature (no overflow for any temperature > 0; one below fp32's
+smallest normal number is greedy, its limit), and a row that
 cannot be sampled (NaN or +inf logits, or no allowed token left after the masks) fails alone:
 its request ends with an error and the other rows are sampled as usual.
 """
@@ -17,6 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from agentserve.engine.request import SamplingParams
+
+
+_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +86,7 @@ def sample(
     for row, sp in enumerate(params):
         if row in failed:
             continue
-        if sp.greedy:
+        if sp.temperature < _TINY:  # greedy, or so close that fp32 cannot divide by it
             tokens[row] = greedy[row]
             continue
         try:

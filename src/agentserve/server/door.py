@@ -59,10 +59,11 @@ class Door:
             if scope["path"] in GENERATION_PATHS:
                 slot = scope[SLOT_KEY] = self._enter()
             body = await self._read_body(scope, receive)
-        except APIError as exc:
-            await _reply(send, exc)
-            return
-        except ClientGone:
+        except (APIError, ClientGone) as exc:
+            if slot is not None:
+                slot.release()
+            if isinstance(exc, APIError):
+                await _reply(send, exc)
             return
         try:
             await self._call(scope, _replay(body, receive), send)
