@@ -3,17 +3,31 @@ weights, for exactness tests against transformers' own forward."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
+import pytest
 import torch
 import transformers
 
 from agentserve.model.config import ModelConfig
+from agentserve.model.cpu_kernels import CpuKernels, load_cpu_kernels
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
             rms_norm_eps=1e-6)
+# Gains for `sharp_attention`. At the random init q.k is ~0.1: over 300 keys every head's
+# softmax has the entropy of a uniform one (5.70 nats), and the residual is mostly the
+# embedding, so greedy tokens hardly depend on attention (a tiny Llama with tied embeddings
+# emits 8 distinct tokens in 8 prompts x 12). Scaling q and k by 12 (Qwen3: its q/k norm
+# weights by 3, as it normalizes the projections) brings the entropy to 0.5-3 nats; v and o
+# by 3 give attention a real share of the residual. Then a C++ kernel that skips the
+# online-softmax rescale, reads V from a wrong slot or drops the last key changes the greedy
+# tokens in every engine test of all three architectures (tried with such mutants).
+QK_GAIN, QK_NORM_GAIN, VO_GAIN = 12.0, 3.0, 3.0
 
 
-def tiny_hf_model(arch: str, seed: int = 0) -> transformers.PreTrainedModel:
+def tiny_hf_model(arch: str, seed: int = 0, sharp_attention: bool = False) -> transformers.PreTrainedModel:
     torch.manual_seed(seed)
     if arch == "qwen2":
         cfg = transformers.Qwen2Config(**TINY, rope_theta=10000.0, tie_word_embeddings=False)
@@ -31,7 +45,20 @@ def tiny_hf_model(arch: str, seed: int = 0) -> transformers.PreTrainedModel:
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        if sharp_attention:
+            for layer in model.model.layers:
+                _sharpen(layer.self_attn)
     return model.eval().float()
+
+
+def _sharpen(attn: torch.nn.Module) -> None:
+    normed = hasattr(attn, "q_norm")  # a gain on Qwen3's projections would be normalized away
+    qk = [attn.q_norm, attn.k_norm] if normed else [attn.q_proj, attn.k_proj]
+    for module in qk:
+        for p in module.parameters():
+            p.mul_(QK_NORM_GAIN if normed else QK_GAIN)
+    attn.v_proj.weight.mul_(VO_GAIN)
+    attn.o_proj.weight.mul_(VO_GAIN)
 
 
 def model_config_of(model: transformers.PreTrainedModel, arch: str) -> ModelConfig:
@@ -58,8 +85,12 @@ def weights_of(model: transformers.PreTrainedModel, dtype: torch.dtype) -> dict[
 
 def tiny_engine(arch: str = "qwen2", *, block_size: int = 4, num_blocks: int = 64,
                 max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
-                enable_prefix_caching: bool = True, dtype: torch.dtype = torch.float32):
-    """An Engine over a tiny random model: (engine, hf_model)."""
+                enable_prefix_caching: bool = True, dtype: torch.dtype = torch.float32,
+                kernels: CpuKernels | KernelSpy | None = None, sharp_attention: bool = True):
+    """An Engine over a tiny random model: (engine, hf_model). kernels: the C++ decode
+    attention (or a spy on it); None runs decode attention through torch's SDPA. The model's
+    attention is sharp by default: engine tests compare greedy tokens, and only then do the
+    tokens depend on what attention computed."""
     from agentserve.config import SchedulerConfig
     from agentserve.engine.engine import Engine
     from agentserve.engine.scheduler import Scheduler
@@ -67,10 +98,10 @@ def tiny_engine(arch: str = "qwen2", *, block_size: int = 4, num_blocks: int = 6
     from agentserve.model.runner import ModelRunner
     from agentserve.model.transformer import Transformer
 
-    hf = tiny_hf_model(arch)
+    hf = tiny_hf_model(arch, sharp_attention=sharp_attention)
     cfg = model_config_of(hf, arch)
-    runner = ModelRunner(Transformer(cfg, weights_of(hf, dtype)), num_blocks, block_size, dtype,
-                         torch.device("cpu"))
+    model = Transformer(cfg, weights_of(hf, dtype), kernels=kernels)
+    runner = ModelRunner(model, num_blocks, block_size, dtype, torch.device("cpu"))
     sched = Scheduler(
         SchedulerConfig(max_model_len=cfg.max_position_embeddings, block_size=block_size,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -98,3 +129,43 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
     return seq[len(prompt):]
+
+
+def cpu_kernels_or_skip() -> CpuKernels:
+    """The built C++ kernels. Where they cannot be built (no compiler, a build error) the
+    calling test is skipped with the builder's own message: a kernel test must never pass
+    silently on the torch path."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("agentserve.model.cpu_kernels")
+    logger.addHandler(handler)
+    try:
+        kernels = load_cpu_kernels()
+    finally:
+        logger.removeHandler(handler)
+    if kernels is None:
+        pytest.skip("C++ decode attention could not be built: " + ("; ".join(messages) or "no reason logged"))
+    return kernels
+
+
+@dataclass(slots=True)
+class KernelSpy:
+    """Stands in for CpuKernels inside a Transformer and records what went through the C++
+    decode attention, so a test can assert the kernel path was taken (the Transformer falls
+    back to SDPA without a word when a kernel is absent or does not support the head size)."""
+
+    kernels: CpuKernels
+    num_calls: int = 0
+    num_rows: int = 0
+    max_context: int = 0  # longest context attended: > 128 means the online softmax rescaled
+
+    def supports(self, head_dim: int) -> bool:
+        return self.kernels.supports(head_dim)
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+        self.num_calls += 1
+        self.num_rows += q.shape[0]
+        self.max_context = max(self.max_context, int(lengths.max()))
+        return self.kernels.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
