@@ -14,7 +14,8 @@ from agentserve.server.chat import ChatPrompt, build_chat_prompt
 from agentserve.server.generation import FINISH, TextState, outputs, sse, streaming, usage
 from agentserve.server.protocol import ChatCompletionRequest
 from agentserve.server.tool_loop import CallKey, LoopDecision, answer_guide, answered_calls, decide, merged
-from agentserve.server.tool_parsers import ParsedOutput, StreamingToolParser, ToolCall, ToolParser, extract, get_parser
+from agentserve.server.tool_parsers import (ParsedOutput, StreamingToolParser, ToolCall, ToolParser, extract,
+                                            get_parser)
 
 if TYPE_CHECKING:
     from agentserve.server.app import ServerState
@@ -64,16 +65,16 @@ class _Turn:
     async def answer(self, reply: RequestOutput) -> tuple[AsyncIterator[RequestOutput], TextState] | None:
         """The model's answer without tools; None when max_tokens leaves no room for it."""
         limit = self.body.max_completion_tokens or self.body.max_tokens
-        if limit is not None and limit - reply.num_generated_tokens < 1:
+        left = None if limit is None else limit - reply.num_generated_tokens
+        if left is not None and left < 1:
             return None
-        body = self.body.model_copy(update={"tool_choice": "none"})
-        prompt = build_chat_prompt(body, self.state.tokenizer)
-        sampling = self.state.sampling(body, len(prompt.token_ids), limit and limit - reply.num_generated_tokens,
-                                       answer_guide())
+        state, body = self.state, self.body.model_copy(update={"tool_choice": "none"})
+        prompt = build_chat_prompt(body, state.tokenizer)
+        sampling = state.sampling(body, len(prompt.token_ids), left, answer_guide())
         rid = f"{self.request_id}-answer"
-        queue = await self.state.start(rid, prompt.token_ids, sampling, body)
-        outs = outputs(self.state.async_engine(), rid, queue, self.state.metrics, "chat", self.request.is_disconnected)
-        return outs, TextState(self.state.tokenizer, sampling.stop)
+        queue = await state.start(rid, prompt.token_ids, sampling, body)
+        outs = outputs(state.async_engine(), rid, queue, state.metrics, "chat", self.request.is_disconnected)
+        return outs, TextState(state.tokenizer, sampling.stop)
 
 
 def register(app: FastAPI, state: ServerState) -> None:

@@ -103,6 +103,7 @@ def merged(reply: RequestOutput, answer: RequestOutput) -> RequestOutput:
         answer, num_prompt_tokens=reply.num_prompt_tokens, num_reused_tokens=reply.num_reused_tokens,
         num_prefilled_tokens=reply.num_prefilled_tokens,
         num_generated_tokens=reply.num_generated_tokens + answer.num_generated_tokens,
-        num_recomputed_tokens=reply.num_recomputed_tokens + answer.num_recomputed_tokens + answer.num_prefilled_tokens,
+        num_recomputed_tokens=(reply.num_recomputed_tokens + answer.num_recomputed_tokens
+                               + answer.num_prefilled_tokens),
         arrival_time=reply.arrival_time, first_scheduled_time=reply.first_scheduled_time,
         first_token_time=reply.first_token_time)
