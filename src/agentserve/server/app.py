@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse, Response
 from agentserve.config import ServerConfig
 from agentserve.engine.request import RequestOutput, SamplingParams
 from agentserve.server import chat_routes, completion_routes
-from agentserve.server.admission import Admission, Overloaded
-from agentserve.server.async_engine import AsyncEngine, EngineUnavailable
+from agentserve.server.admission import Admission, Overloaded, Slot
+from agentserve.server.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from agentserve.server.door import Door, overloaded, slot_of
 from agentserve.server.errors import APIError, install_handlers
 from agentserve.server.generation import Generation
@@ -104,29 +104,45 @@ class ServerState:
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
+    def enter(self) -> Slot:
+        """A queue slot for a request the server makes itself (a second generation)."""
+        try:
+            return self.admission.enter()
+        except Overloaded as exc:
+            raise overloaded(exc) from exc
+
     async def start(self, request: Request, request_id: str, prompt: list[int],
-                    sampling: SamplingParams, body: _Sampling, route: str) -> Generation:
-        """Admit a request (its queue slot taken at the door) and hand it to the engine. The
-        caller owns the returned Generation and must close it (generation.py)."""
-        slot = slot_of(request.scope)
+                    sampling: SamplingParams, body: _Sampling, route: str,
+                    slot: Slot | None = None) -> Generation:
+        """Admit a request (with its queue slot: taken at the door, or given) and hand it to
+        the engine. The caller owns the returned Generation and must close it (generation.py)."""
+        slot = slot or slot_of(request.scope)
         if slot is None:
             raise RuntimeError(f"{route}: a generation route was reached without the door")
+        try:  # until the Generation owns it, the slot is given back on every way out
+            stream = await self._add(slot, request_id, prompt, sampling, body)
+        except BaseException:
+            slot.release()
+            raise
+        generation = Generation(self.async_engine(), request_id, stream, slot, self.admission,
+                                self.metrics, route, lambda g: self.live.pop(g.request_id, None))
+        self.live[request_id] = generation
+        return generation
+
+    async def _add(self, slot: Slot, request_id: str, prompt: list[int], sampling: SamplingParams,
+                   body: _Sampling) -> RequestStream:
         try:
             self.admission.admit(slot, len(prompt))
         except Overloaded as exc:
             raise overloaded(exc) from exc
         try:
-            stream = await self.async_engine().add(prompt, sampling, request_id, body.cache_salt)
+            return await self.async_engine().add(prompt, sampling, request_id, body.cache_salt)
         except ValueError as exc:
             code = "context_length_exceeded" if "context" in str(exc) else "invalid_value"
             raise APIError(400, str(exc), code=code) from exc
         except EngineUnavailable as exc:
             raise APIError(503, f"the engine failed and this server is stopping: {exc}",
                            type_="server_error", code="engine_failed") from exc
-        generation = Generation(self.async_engine(), request_id, stream, slot, self.admission,
-                                self.metrics, route, lambda g: self.live.pop(g.request_id, None))
-        self.live[request_id] = generation
-        return generation
 
     async def reap_stalled(self) -> None:
         """Drop streaming readers that took nothing for stream_stall_timeout_s (their

@@ -22,9 +22,47 @@ class ChatPrompt:
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:
-    """JSON schema of one call to `tool`, in the bare form the bundled model writes."""
+    """JSON schema of one call to `tool`, in the bare form the bundled model writes. The
+    parameters move under `arguments`, so their local `$ref`s are rebased to point there."""
+    arguments = _rebased(tool.function.parameters, "#/properties/arguments")
     return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-            "properties": {"name": {"const": tool.function.name}, "arguments": tool.function.parameters}}
+            "properties": {"name": {"const": tool.function.name}, "arguments": arguments}}
+
+
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_DATA = frozenset({"const", "enum", "default", "examples"})  # values, not schemas: left as they are
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """The schema with its local `$ref`s ("#/...") pointing under `base`."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names to schemas: a name is no keyword
+            out[key] = {name: _rebased(s, base) for name, s in value.items()}
+        else:
+            out[key] = value if key in _DATA else _rebased(value, base)
+    return out
+
+
+# JSON as json.dumps writes it (and the model does): whitespace is fixed, so a call cannot run
+# on in blank space and the newline between calls is the only one.
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def calls_grammar(tools: list[Tool], parallel: bool) -> str:
+    """Lark grammar (llguidance's dialect) of a forced reply: one call to one of `tools`, or
+    with `parallel` one or more, one per line. Each tool's call is its own `%json` document,
+    so every schema's `$ref`s resolve inside it."""
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    names = [f"call_{i}" for i in range(len(tools))]
+    rules = [f"{n}: %json {json.dumps({**call_schema(t), 'x-guidance': _COMPACT})}" for n, t in zip(names, tools)]
+    return "\n".join([start, "call: " + " | ".join(names), *rules]) + "\n"
 
 
 def _check_tools(tools: list[Tool]) -> None:
@@ -43,6 +81,8 @@ def _check_tools(tools: list[Tool]) -> None:
 
 
 def _guide(req: ChatCompletionRequest) -> Guide | None:
+    """`required`: one or more calls (exactly one without parallel_tool_calls); a named
+    function: exactly one call to it."""
     choice, tools = req.tool_choice, req.tools or []
     if choice in (None, "auto", "none"):
         return None
@@ -54,8 +94,8 @@ def _guide(req: ChatCompletionRequest) -> Guide | None:
         chosen = [t for t in tools if t.function.name == name]
         if not chosen:
             raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-        return Guide.json_schema(json.dumps(call_schema(chosen[0])))
-    return Guide.json_schema(json.dumps({"anyOf": [call_schema(t) for t in tools]}))
+        return Guide.lark(calls_grammar(chosen[:1], parallel=False))
+    return Guide.lark(calls_grammar(tools, parallel=req.parallel_tool_calls))
 
 
 def _arguments(raw: str | dict[str, Any], where: str) -> dict[str, Any]:

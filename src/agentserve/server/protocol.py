@@ -116,6 +116,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_completion_tokens: int | None = None
     parallel_tool_calls: bool = True
+    repeated_tool_calls: Literal["drop", "keep"] = "drop"  # calls already answered: server/tool_loop.py
 
     @field_validator("max_completion_tokens")
     @classmethod

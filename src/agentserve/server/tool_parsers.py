@@ -1,20 +1,33 @@
 """Tool-call parsers: one per output format, behind one interface.
 
-- hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (closing tag optional at the end)
-- json: the whole reply is `{"name": ..., "arguments": ...}` (or a list of them), optionally in
-  a ```json fence: what the bundled Qwen2.5-Coder-0.5B actually writes
-- qwen3_xml: `<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`
+- hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call or
+  several objects in one block (closing tag optional at the end)
+- json: the reply is `{"name": ..., "arguments": ...}` objects, one per line (blank lines
+  allowed), or lists of them, optionally in ```json fences: what Qwen2.5-Coder-0.5B writes
+- qwen3_xml: `<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`, repeated
 
-A parser only reports calls to tools the request offered; anything else stays content.
+Every call a reply holds is reported, in order; parallel_tool_calls is the route's business.
+A parser reports calls only when they are clearly calls, and only to tools the request offered:
+- json: a reply is calls only if it is nothing but JSON values (and fences). Prose anywhere,
+  before, between or after call lines, makes the whole reply content: "I would call
+  {"name": ...}" is an answer, not a call. Values that are not calls to offered tools (a tool
+  result the model imagines after its call, an unknown tool) and a value cut off at the end
+  (max_tokens) are left out when there are calls; a reply without calls is content as written.
+- hermes / qwen3_xml: text before the first tag is content (a model may think aloud first);
+  text between or after the blocks is dropped. Calls to tools not offered are left out as
+  above; a hermes block that is not JSON makes the whole reply content.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,16 +67,69 @@ def _call_from_obj(obj: Any, tools: Mapping[str, dict[str, Any]]) -> ToolCall | 
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+_FENCE_OPEN = re.compile(r"```(?:json)?(?=\s|[{\[]|$)")  # ```python and the like do not match
+
+
+def _json_values(text: str) -> list[Any] | None:
+    """The JSON values in text, separated only by whitespace and ```json fences; None if
+    anything else is there. The text may end inside a fence, or inside a value (max_tokens
+    cut it off): that unfinished value is left out."""
+    decoder = json.JSONDecoder()
+    values: list[Any] = []
+    i, fenced = 0, False
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i == len(text):
+            return values
+        if text.startswith("```", i):
+            if fenced:
+                i, fenced = i + 3, False
+                continue
+            fence = _FENCE_OPEN.match(text, i)
+            if fence is None:
+                return None
+            i, fenced = fence.end(), True
+            continue
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return values if _unfinished(text[i:]) else None
+        values.append(value)
+
+
+def _unfinished(tail: str) -> bool:
+    """Whether tail is a JSON object or array cut off: opened, never closed, nothing mismatched."""
+    if tail[:1] not in ("{", "["):
+        return False
+    stack: list[str] = []
+    in_string = escaped = False
+    for ch in tail:
+        if in_string:
+            in_string, escaped = (True, False) if escaped else (ch != '"', ch == "\\")
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]":
+            if not stack or stack.pop() != ch or not stack:
+                return False  # mismatched, or a complete value (that did not parse)
+    return True
+
+
 def _calls_from_json(text: str, tools: Mapping[str, dict[str, Any]]) -> list[ToolCall] | None:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
+    """The calls among the JSON values that make up text (call objects, or lists of them, to
+    offered tools); None if text is not only JSON. Other values next to calls (a tool result
+    the model imagines after its call) are not calls and are left out."""
+    values = _json_values(text)
+    if values is None:
         return None
-    objs = obj if isinstance(obj, list) else [obj]
-    calls = [_call_from_obj(o, tools) for o in objs]
-    if not calls or any(c is None for c in calls):
-        return None
-    return calls  # type: ignore[return-value]
+    calls: list[ToolCall] = []
+    for value in values:
+        found = [_call_from_obj(o, tools) for o in (value if isinstance(value, list) else [value])]
+        if found and all(c is not None for c in found):
+            calls.extend(found)  # type: ignore[arg-type]
+    return calls
 
 
 def _content(text: str) -> str | None:
@@ -78,6 +144,7 @@ class HermesParser:
     _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str, tools: Mapping[str, dict[str, Any]]) -> ParsedOutput | None:
+        """Text before the first block is content; text between or after blocks is dropped."""
         start = text.find("<tool_call>")
         if start < 0:
             return None
@@ -85,7 +152,7 @@ class HermesParser:
         for body in self._block.findall(text, start):
             if body.lstrip().startswith("<function="):
                 return None  # the XML form, not ours
-            found = _calls_from_json(body.strip(), tools)
+            found = _calls_from_json(body, tools)
             if found is None:
                 return None
             calls.extend(found)
@@ -95,14 +162,9 @@ class HermesParser:
 class JsonParser:
     markers = ()
     start_markers = ("{", "[", "```")
-    _fence = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
 
     def parse(self, text: str, tools: Mapping[str, dict[str, Any]]) -> ParsedOutput | None:
-        body = text.strip()
-        fenced = self._fence.match(body)
-        if fenced:
-            body = fenced.group(1).strip()
-        calls = _calls_from_json(body, tools)
+        calls = _calls_from_json(text, tools)
         return ParsedOutput(None, tuple(calls)) if calls else None
 
 
@@ -121,7 +183,7 @@ class Qwen3XmlParser:
         calls = []
         for name, body in self._function.findall(text, start):
             if name not in tools:
-                return None
+                continue
             props = tools[name].get("parameters", {}).get("properties", {})
             args = {p: _xml_value(v, props.get(p, {})) for p, v in self._param.findall(body)}
             calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
@@ -165,8 +227,15 @@ class AnyParser:
 
 
 def extract(parser: ToolParser, text: str, tools: Mapping[str, dict[str, Any]]) -> ParsedOutput:
-    """Content and calls of a whole reply; a reply with no calls is all content."""
-    return parser.parse(text, tools) or ParsedOutput(text if text else None, ())
+    """Content and calls of a whole reply; a reply with no calls is all content. A parser
+    that fails on odd text (deep nesting: RecursionError) leaves it all content: a reply is
+    never lost to its parser."""
+    try:
+        parsed = parser.parse(text, tools)
+    except Exception:
+        log.exception("tool-call parser %s failed; the reply stays content", type(parser).__name__)
+        parsed = None
+    return parsed or ParsedOutput(text if text else None, ())
 
 
 class StreamingToolParser:
