@@ -63,6 +63,20 @@ def path_with_ninja(path: str) -> str:
     return os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
 
 
+def _stable_copy(name: str, source: bytes) -> Path:
+    """The source at a path named by its content: torch's build file records the source's
+    path, so building from each checkout's own copy rebuilt the cached module in turn."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    path = Path(_get_build_directory(name, verbose=False)) / "src" / SOURCE.name
+    if not path.is_file() or path.read_bytes() != source:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(source)
+        tmp.replace(path)  # atomic: another process building at once never reads half a file
+    return path
+
+
 def load_cpu_kernels() -> CpuKernels | None:
     """The compiled kernels, or None (logged) where they cannot be built here."""
     try:
@@ -71,9 +85,11 @@ def load_cpu_kernels() -> CpuKernels | None:
         # a process-wide change, made only here: torch's builder has no other way to find ninja
         os.environ["PATH"] = path_with_ninja(os.environ.get("PATH", ""))
 
-        key = SOURCE.read_bytes() + _cpu_tag() + torch.__version__.encode() + " ".join(CFLAGS).encode()
-        module = load(name=f"agentserve_cpu_{hashlib.sha256(key).hexdigest()[:12]}", sources=[str(SOURCE)],
-                      extra_cflags=CFLAGS, verbose=False)
+        source = SOURCE.read_bytes()
+        key = source + _cpu_tag() + torch.__version__.encode() + " ".join(CFLAGS).encode()
+        name = f"agentserve_cpu_{hashlib.sha256(key).hexdigest()[:12]}"
+        module = load(name=name, sources=[str(_stable_copy(name, source))], extra_cflags=CFLAGS,
+                      verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
         log.warning("C++ decode attention unavailable (%s: %s); using torch's SDPA", type(exc).__name__, exc)
         return None
