@@ -13,6 +13,7 @@ import json
 import re
 from typing import Any
 
+import jinja2
 import jsonschema
 import pytest
 from fastapi.testclient import TestClient
@@ -20,6 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentserve.server.app import ServerState, build_app
+from agentserve.server.chat import build_chat_prompt
+from agentserve.server.errors import APIError
+from agentserve.server.protocol import ChatCompletionRequest
 from agentserve.server.tool_parsers import get_parser
 
 M = "m"
@@ -244,3 +248,51 @@ def test_chat_validation_matches_the_documented_schema(app, client, body):
 @given(_mutations(COMPLETION, COMPLETION_TEXT))
 def test_completion_validation_matches_the_documented_schema(app, client, body):
     _check_agreement(app, client, "/v1/completions", "CompletionRequest", body)
+
+
+# --- the chat template and the tokenizer ---------------------------------------------------
+
+class _Tokenizer:
+    """A tokenizer whose template or encoder raises what real ones raise on odd input."""
+
+    def __init__(self, render: Exception | None = None, encode: Exception | None = None) -> None:
+        self.render_error, self.encode_error = render, encode
+
+    def apply_chat_template(self, messages: Any, **_: Any) -> str:
+        if self.render_error is not None:
+            raise self.render_error
+        return "".join(str(m["content"]) for m in messages)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if self.encode_error is not None:
+            raise self.encode_error
+        return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize("tokenizer", [
+    _Tokenizer(render=jinja2.exceptions.TemplateError("Conversation roles must alternate")),
+    _Tokenizer(render=TypeError("can only concatenate str (not \"NoneType\") to str")),
+    _Tokenizer(render=KeyError("tool_calls")), _Tokenizer(render=IndexError("list index out of range")),
+    _Tokenizer(render=RecursionError("maximum recursion depth exceeded")),
+    _Tokenizer(encode=TypeError("TextEncodeInput must be Union[...]")), _Tokenizer(encode=ValueError("bad")),
+], ids=["TemplateError", "TypeError", "KeyError", "IndexError", "RecursionError", "encode TypeError",
+        "encode ValueError"])
+def test_what_the_template_or_tokenizer_raises_is_a_400_naming_messages(tokenizer):
+    req = ChatCompletionRequest.model_validate({"model": M, "messages": USER})
+    with pytest.raises(APIError) as info:
+        build_chat_prompt(req, tokenizer)
+    assert info.value.status == 400 and info.value.param == "messages"
+    assert "chat template" in info.value.message or "tokenizer" in info.value.message
+
+
+def test_call_arguments_that_json_cannot_convert_are_a_400():
+    deep = "[" * 5000 + "]" * 5000
+    for arguments, words in [("{oops", "not valid JSON"), ('{"a": ' + "1" * 5000 + "}", "not valid JSON"),
+                             (deep, "not valid JSON"), ('{"a": ' + "[" * 40 + "]" * 40 + "}", "nested more"),
+                             ('"just a string"', "must be a JSON object")]:
+        req = ChatCompletionRequest.model_validate({"model": M, "messages": [
+            {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": arguments}}]}]})
+        with pytest.raises(APIError) as info:
+            build_chat_prompt(req, _Tokenizer())
+        assert info.value.status == 400 and words in info.value.message, info.value.message
+        assert info.value.param == "messages[0].tool_calls[0].function.arguments"

@@ -36,8 +36,8 @@ class APIError(Exception):
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 _KINDS = {"string_type": "a string", "int_type": "an integer", "float_type": "a number",
@@ -188,7 +188,7 @@ def install_handlers(app: FastAPI) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not read the body
             return APIError(400, _parse_failure(exc), code="invalid_json").response()
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+        return APIError(exc.status_code, str(exc.detail), code=code).response(exc.headers)  # 405: Allow
 
     @app.exception_handler(json.JSONDecodeError)
     async def _json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:

@@ -38,8 +38,8 @@ _GENERATION = ("400", "404", "409", "413", "429", "500", "503")
 _BY_PATH = {"/health": ("503",), "/v1/sessions/{session_id}": ("404",),
             "/v1/sessions/{session_id}/close": ("404",)}
 _PLAIN_TEXT = {"/metrics": "text/plain; version=0.0.4"}
-EVENT_STREAM = {"schema": {"type": "string", "description": "server-sent events: `data: <chunk JSON>` "
-                                                           "lines, then `data: [DONE]`"}}
+EVENT_STREAM = {"schema": {  # one event: its data is a chunk as JSON, the last one's is [DONE]
+    "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}
 
 
 def _error(code: str) -> dict[str, Any]:
