@@ -161,6 +161,9 @@ def test_openapi_documents_the_errors_and_the_stream(app):
     chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert {"200", "400", "404", "409", "500"} <= set(chat)
     assert set(chat["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert chat["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatCompletion"}
+    assert doc["components"]["schemas"]["ChatChoice"]["properties"]["finish_reason"]["enum"] == [
+        "stop", "length", "tool_calls", "abort"]
     assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain; version=0.0.4"}
 
 

@@ -1,8 +1,9 @@
 """The OpenAPI document: FastAPI's, plus what it cannot see in the route signatures.
 
 FastAPI documents a 422 with its own validation body; this server answers 400 with errors.py's
-body, and a generation route can also answer 404/409/413/429/500/503 in that shape. A request
-with `stream: true` gets server-sent events, and /metrics is Prometheus text. Documenting these
+body, and a generation route can also answer 404/409/413/429/500/503 in that shape. The routes
+return plain dicts, described by responses.py. A request with `stream: true` gets server-sent
+events, and /metrics is Prometheus text. Documenting these
 lets a client generator, and the schemathesis fuzz run (bench/fuzz.py), check every response
 against the schema: status, media type and body.
 """
@@ -12,6 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
+from pydantic.json_schema import models_json_schema
+
+from agentserve.server.responses import BY_PATH
 
 ERROR = {
     "type": "object", "required": ["error"], "title": "Error",
@@ -59,6 +63,8 @@ def _amend(path: str, op: dict[str, Any], schemas: dict[str, Any]) -> None:
     for code in codes:
         responses.setdefault(code, _error(code))
     ok = responses.get("200", {}).setdefault("content", {})
+    if path in BY_PATH:
+        ok["application/json"] = {"schema": {"$ref": f"#/components/schemas/{BY_PATH[path].__name__}"}}
     if path in _PLAIN_TEXT:
         ok.clear()
         ok[_PLAIN_TEXT[path]] = {"schema": {"type": "string"}}
@@ -82,6 +88,10 @@ def document(app: FastAPI) -> None:
         schemas.pop("HTTPValidationError", None)
         schemas.pop("ValidationError", None)
         schemas["Error"] = ERROR
+        _, described = models_json_schema([(m, "serialization") for m in set(BY_PATH.values())],
+                                          ref_template="#/components/schemas/{model}")
+        for name, body in described.get("$defs", {}).items():
+            schemas.setdefault(name, body)
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
