@@ -102,7 +102,7 @@ BAD = [  # (body, param, words in the message)
     ({"model": M, "messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content", "surrogate"),
     ({"model": M, "messages": USER, "tool_choice": "any"}, "tool_choice", "'none', 'auto' or 'required'"),
     ({"model": M, "messages": USER, "tool_choice": {"type": "function", "function": {}}},
-     "tool_choice.function", "names no function"),
+     "tool_choice.function", "must name the function"),
     ({"model": M, "messages": USER, "tools": [{"function": {"name": "f", "parameters": {
         "a": json.loads("[" * 40 + "]" * 40)}}}]}, "tools[0].function.parameters", "nested more than 32"),
     ({"model": M, "messages": [{"role": "user"}, {"content": "x"}]}, "messages[1].role", "is required"),

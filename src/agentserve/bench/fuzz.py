@@ -226,15 +226,17 @@ def run_fuzz(config: FuzzConfig, known: tuple[KnownFailure, ...] = KNOWN_ENGINE_
               max_model_len=config.max_model_len)
     started = time.monotonic()
     server = FuzzServer.start(llm, config.model, config.max_tokens)
-    try:
-        wire, failures, errors = run_schemathesis(server.url, config.model, config, known)
-        alive = server.alive(config.model)
-        server.drain()
-    finally:
-        server.stop()
     pool = llm.engine.scheduler.pool
     try:
-        pool.check()
+        wire, failures, errors = run_schemathesis(server.url, config.model, config, known)
+        answers = server.alive(config.model)
+        server.drain()
+        stuck = llm.engine.has_unfinished()
+        used = pool.stats().num_used  # read while the engine thread idles: nothing is in flight
+    finally:
+        server.stop()
+    try:
+        pool.check()  # after the engine thread is joined
         pool_ok = True
     except AssertionError:
         pool_ok = False
@@ -245,7 +247,7 @@ def run_fuzz(config: FuzzConfig, known: tuple[KnownFailure, ...] = KNOWN_ENGINE_
         statuses=dict(sorted(Counter(ex.status or 0 for ex in wire.exchanges).items())),
         server_errors=tuple(ex for ex in bad if wire.known_name(ex) is None),
         known_errors=tuple(known_errors), check_failures=tuple(failures), engine_errors=tuple(errors),
-        alive=alive and not llm.engine.has_unfinished(), num_leaked_blocks=pool.stats().num_used,
+        alive=answers and not stuck, num_leaked_blocks=max(used, pool.stats().num_used),
         pool_ok=pool_ok, wall_s=time.monotonic() - started)
 
 

@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from agentserve.server.openapi import document
+
 log = logging.getLogger(__name__)
 
 
@@ -53,7 +55,7 @@ def _got(value: Any) -> str:
         return "an object"
     if isinstance(value, (bytes, bytearray)):
         return "a body that is not JSON"
-    text = json.dumps(value)  # ASCII: escapes any surrogate
+    text = json.dumps(value, default=repr)  # ASCII: escapes any surrogate
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -171,9 +173,7 @@ def _parse_failure(exc: StarletteHTTPException) -> str:
 
 
 def install_handlers(app: FastAPI) -> None:
-    from agentserve.server.openapi import document
-
-    document(app)
+    document(app)  # the document states these handlers' responses
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

@@ -174,7 +174,7 @@ class Message(_Body):
 
 def _named(function: dict[str, str]) -> dict[str, str]:
     if "name" not in function:
-        raise ValueError("names no function: send {\"name\": ...}")
+        raise ValueError("must name the function to call: {\"name\": ...}")
     return function
 
 
