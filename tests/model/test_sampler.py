@@ -31,6 +31,13 @@ def test_any_temperature_samples_a_valid_token(temperature, dtype):
         assert out.tokens[1] == 7
 
 
+@pytest.mark.parametrize("top_p", [7e-46, 5e-324, 1e-45])
+def test_a_top_p_that_rounds_to_zero_keeps_the_best_token(top_p):
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3))
+    out = run(logits, [SamplingParams(temperature=1.0, top_p=top_p)])
+    assert not out.failed and out.tokens == {0: int(logits[0].argmax())}
+
+
 def test_a_bad_row_fails_alone():
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2))
     logits[0, 3] = float("nan")
@@ -51,7 +58,7 @@ def test_suppressing_every_allowed_token_fails_the_row_not_the_batch():
 
 @settings(max_examples=300, deadline=None)
 @given(st.floats(min_value=0.0, max_value=1e38, allow_subnormal=True),
-       st.floats(min_value=1e-6, max_value=1.0), st.none() | st.integers(1, 2 * VOCAB),
+       st.floats(min_value=0.0, max_value=1.0, exclude_min=True), st.none() | st.integers(1, 2 * VOCAB),
        st.none() | st.integers(-(2**70), 2**70), st.floats(-1e4, 1e4))
 def test_sampling_never_fails_for_finite_logits(temperature, top_p, top_k, seed, scale):
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5)) * scale

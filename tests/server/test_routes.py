@@ -147,6 +147,9 @@ BAD = [
      400, "answers no earlier assistant tool call"),
     ("invalid tool schema", "/v1/chat/completions", {**chat(), "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "strin"}}}}}]}, 400, "invalid JSON schema"),
+    ("forced call with min_tokens", "/v1/chat/completions", chat(tools=[WEATHER], tool_choice="required",
+                                                                 min_tokens=30, max_tokens=40), 400,
+     "min_tokens cannot be combined with a forced tool call"),
     ("required without tools", "/v1/chat/completions", chat(tool_choice="required"), 400, "needs tools"),
     ("unknown named tool", "/v1/chat/completions", chat(tools=[WEATHER], tool_choice={
         "type": "function", "function": {"name": "nope"}}), 400, "not among the tools"),

@@ -76,6 +76,26 @@ def _overload(args: argparse.Namespace) -> int:
     return 0 if r.lost == 0 and r.alive_after and r.used_blocks_after == 0 else 1
 
 
+def _fuzz(args: argparse.Namespace) -> int:
+    import logging
+
+    from agentserve.bench.fuzz import FuzzConfig, render, run_fuzz, summary
+
+    try:
+        import schemathesis  # noqa: F401
+    except ImportError:
+        raise SystemExit("agentserve bench fuzz needs the dev extras: pip install -e '.[dev]'") from None
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    config = FuzzConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                        max_tokens=args.max_tokens, max_examples=args.examples, seed=args.seed,
+                        max_time_s=args.max_time)
+    report = run_fuzz(config)
+    print(render(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary(report), indent=2))
+    return 0 if report.ok() and not report.check_failures else 1
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
     sub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -106,3 +126,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     o.add_argument("--serve-arg", action="append", help="an extra argument for `agentserve serve`")
     o.add_argument("--json", default=None)
     o.set_defaults(func=_overload)
+    f = sub.add_parser("fuzz", help="schemathesis against the server's OpenAPI document, on the small model")
+    f.add_argument("--examples", type=int, default=200, help="per operation, phase and mode (positive/negative)")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--model", default="smollm2-135m")
+    f.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    f.add_argument("--max-model-len", type=int, default=256)
+    f.add_argument("--max-tokens", type=int, default=8, help="generation cap per request")
+    f.add_argument("--max-time", type=int, default=None, help="stop after this many seconds")
+    f.add_argument("--json", default=None, help="also write the figures and findings to this file")
+    f.set_defaults(func=_fuzz)

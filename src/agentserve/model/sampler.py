@@ -39,6 +39,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the mass before it already reaches top_p (the first always stays)
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[0] = False  # also when top_p rounds to 0 in fp32
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits

@@ -96,6 +96,10 @@ class ServerState:
             raise APIError(400, f"prompt has {prompt_len} tokens; the model's context is "
                                 f"{self.max_model_len} (prompt + at least 1 generated)",
                            param="messages", code="context_length_exceeded")
+        if guide is not None and body.min_tokens:
+            raise APIError(400, "min_tokens cannot be combined with a forced tool call (tool_choice "
+                                "required or named): the call ends when its JSON is complete",
+                           param="min_tokens")
         try:
             return SamplingParams(
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,

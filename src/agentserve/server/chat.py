@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,9 @@ import jinja2
 from agentserve.engine.request import Guide
 from agentserve.model.guided import GuidedDecoding, GuideError
 from agentserve.server.errors import APIError
-from agentserve.server.protocol import ChatCompletionRequest, Message, NamedToolChoice, Tool
+from agentserve.server.protocol import ChatCompletionRequest, Message, NamedToolChoice, Tool, check_json
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +108,14 @@ def _arguments(raw: str | dict[str, Any], where: str) -> dict[str, Any]:
         value = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise APIError(400, f"{where}: arguments are not valid JSON: {exc.msg}", param=where) from exc
+    except (ValueError, RecursionError) as exc:  # a number too long to convert, nesting too deep
+        raise APIError(400, f"{where}: arguments are not valid JSON: {exc}", param=where) from exc
     if not isinstance(value, dict):
         raise APIError(400, f"{where}: arguments must be a JSON object", param=where)
-    return value
+    try:
+        return check_json(value)
+    except ValueError as exc:
+        raise APIError(400, f"{where}: arguments {exc}", param=where) from exc
 
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
@@ -137,17 +145,40 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
     return out
 
 
+def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+    """Prompt token ids. The template is the model's own Jinja code: on messages it did not
+    expect it may raise anything (TemplateError from raise_exception, TypeError or KeyError from
+    its expressions), and so may the tokenizer on what the template wrote. These are the
+    request's fault and a 400, never a 500 (pydantic has already checked every field's type)."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception as exc:
+        log.info("chat template rejected a request: %r", exc)
+        raise APIError(400, f"the model's chat template rejected these messages: {_reason(exc)}",
+                       param="messages") from exc
+    if not isinstance(text, str):
+        raise APIError(400, "the model's chat template rendered no text for these messages",
+                       param="messages")
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except Exception as exc:
+        log.info("tokenizer rejected a rendered prompt: %r", exc)
+        raise APIError(400, f"the tokenizer rejected the rendered messages: {_reason(exc)}",
+                       param="messages") from exc
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, jinja2.TemplateError):
+        return str(exc)
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
 def build_chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> ChatPrompt:
     tools = req.tools or []
     _check_tools(tools)
     guide = _guide(req)
     offered = [] if req.tool_choice == "none" else tools
     messages = template_messages(req.messages)
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=[t.model_dump(exclude_none=True) for t in offered] or None,
-            add_generation_prompt=True, tokenize=False)
-    except jinja2.TemplateError as exc:
-        raise APIError(400, f"the model's chat template rejected these messages: {exc}", param="messages") from exc
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = _render(tokenizer, messages, [t.model_dump(exclude_none=True) for t in offered])
     return ChatPrompt(ids, {t.function.name: t.function.model_dump() for t in offered}, guide)

@@ -72,7 +72,7 @@ class _Turn:
         left = None if limit is None else limit - reply.num_generated_tokens
         if left is not None and left < 1:
             return None
-        state, body = self.state, self.body.model_copy(update={"tool_choice": "none"})
+        state, body = self.state, self.body.model_copy(update={"tool_choice": "none", "min_tokens": 0})
         prompt = build_chat_prompt(body, state.tokenizer)
         sampling = state.sampling(body, len(prompt.token_ids), left, answer_guide())
         rid = f"{self.request_id}-answer"
