@@ -15,11 +15,9 @@ states (a tool message answering no call, a prompt longer than the context).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,20 +61,6 @@ class Exchange:
 
 
 @dataclass(frozen=True, slots=True)
-class KnownFailure:
-    """An engine-side failure reported to the lead and not fixed yet: a 5xx whose request matches is
-    counted as known (xfail), not as a new finding. Remove an entry once its fix is merged."""
-
-    name: str
-    matches: Callable[[dict[str, Any]], bool]
-
-
-# Requests whose 5xx is a known engine-side bug, counted apart (none open: the sampler's tiny
-# temperature and tiny top_p cases found here are fixed and tested in tests/model/test_sampler.py).
-KNOWN_ENGINE_FAILURES: tuple[KnownFailure, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
 class CheckFailure:
     check: str
     title: str
@@ -89,8 +73,7 @@ class FuzzReport:
     exchanges: tuple[Exchange, ...]
     num_examples: int
     statuses: dict[int, int]  # response status -> count; network errors under 0
-    server_errors: tuple[Exchange, ...]  # status >= 500, no response or a cut-off stream; not known
-    known_errors: tuple[tuple[str, Exchange], ...]  # (known failure name, exchange)
+    server_errors: tuple[Exchange, ...]  # status >= 500, no response or a cut-off stream
     check_failures: tuple[CheckFailure, ...]  # other checks, deduplicated by check and title
     engine_errors: tuple[str, ...]  # schemathesis could not test something
     alive: bool
@@ -111,7 +94,6 @@ def _excerpt(content: bytes) -> str:
 class _Wire:
     """What the after_call hooks saw (they run on schemathesis' worker threads)."""
 
-    known: tuple[KnownFailure, ...]
     exchanges: list[Exchange] = field(default_factory=list)
     by_case: dict[str, Exchange] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -129,15 +111,6 @@ class _Wire:
         with self.lock:
             self.exchanges.append(ex)
             self.by_case[case_id] = ex
-
-    def known_name(self, ex: Exchange) -> str | None:
-        try:
-            body = json.loads(ex.body or "")
-        except ValueError:
-            return None
-        if not isinstance(body, dict):
-            return None
-        return next((k.name for k in self.known if k.matches(body)), None)
 
 
 def _schemathesis_config(config: FuzzConfig, base_url: str) -> Any:
@@ -167,7 +140,7 @@ def served_schema(url: str, model_name: str) -> dict[str, Any]:
     return doc
 
 
-def run_schemathesis(url: str, model_name: str, config: FuzzConfig, known: tuple[KnownFailure, ...]
+def run_schemathesis(url: str, model_name: str, config: FuzzConfig
                      ) -> tuple[_Wire, list[CheckFailure], list[str]]:
     import requests
     import schemathesis
@@ -175,7 +148,7 @@ def run_schemathesis(url: str, model_name: str, config: FuzzConfig, known: tuple
 
     schema = schemathesis.openapi.from_dict(served_schema(url, model_name),
                                             config=_schemathesis_config(config, url))
-    wire = _Wire(known)
+    wire = _Wire()
 
     @schema.hook
     def after_call(context: Any, case: Any, response: Any) -> None:
@@ -203,7 +176,7 @@ def run_schemathesis(url: str, model_name: str, config: FuzzConfig, known: tuple
     return wire, list(failures.values()), errors
 
 
-def run_fuzz(config: FuzzConfig, known: tuple[KnownFailure, ...] = KNOWN_ENGINE_FAILURES) -> FuzzReport:
+def run_fuzz(config: FuzzConfig) -> FuzzReport:
     from agentserve.api import LLM
     from agentserve.bench.fuzz_server import FuzzServer
 
@@ -213,7 +186,7 @@ def run_fuzz(config: FuzzConfig, known: tuple[KnownFailure, ...] = KNOWN_ENGINE_
     server = FuzzServer.start(llm, config.model, config.max_tokens)
     pool = llm.engine.scheduler.pool
     try:
-        wire, failures, errors = run_schemathesis(server.url, config.model, config, known)
+        wire, failures, errors = run_schemathesis(server.url, config.model, config)
         answers = server.alive(config.model)
         server.drain()
         stuck = llm.engine.has_unfinished()
@@ -225,13 +198,10 @@ def run_fuzz(config: FuzzConfig, known: tuple[KnownFailure, ...] = KNOWN_ENGINE_
         pool_ok = True
     except AssertionError:
         pool_ok = False
-    bad = [ex for ex in wire.exchanges if ex.failed()]
-    known_errors = [(name, ex) for ex in bad if (name := wire.known_name(ex)) is not None]
     return FuzzReport(
         exchanges=tuple(wire.exchanges), num_examples=len(wire.exchanges),
         statuses=dict(sorted(Counter(ex.status or 0 for ex in wire.exchanges).items())),
-        server_errors=tuple(ex for ex in bad if wire.known_name(ex) is None),
-        known_errors=tuple(known_errors), check_failures=tuple(failures), engine_errors=tuple(errors),
+        server_errors=tuple(ex for ex in wire.exchanges if ex.failed()), check_failures=tuple(failures), engine_errors=tuple(errors),
         alive=answers and not stuck, num_leaked_blocks=max(used, pool.stats().num_used),
         pool_ok=pool_ok, wall_s=time.monotonic() - started)
 
@@ -240,12 +210,11 @@ def summary(report: FuzzReport) -> dict[str, Any]:
     """The figures: what the issue asks for, then what was found."""
     return {
         "examples": report.num_examples, "responses_5xx": len(report.server_errors),
-        "known_engine_5xx": len(report.known_errors), "alive": report.alive,
+        "alive": report.alive,
         "leaked_blocks": report.num_leaked_blocks, "pool_check": report.pool_ok,
         "check_failures": len(report.check_failures), "wall_s": round(report.wall_s, 1),
         "statuses": report.statuses,
         "server_errors": [ex.reproducer()[:2000] for ex in report.server_errors[:20]],
-        "known": [f"{name}: {ex.reproducer()[:500]}" for name, ex in report.known_errors[:20]],
         "checks": [f"{f.check}: {f.title}: {f.message[:500]} | {f.exchange.reproducer()[:1000] if f.exchange else ''}"
                    for f in report.check_failures],
         "schemathesis_errors": list(report.engine_errors[:20]),
@@ -255,10 +224,10 @@ def summary(report: FuzzReport) -> dict[str, Any]:
 def render(report: FuzzReport) -> str:
     s = summary(report)
     lines = [f"examples sent {s['examples']}, responses >= 500: {s['responses_5xx']} "
-             f"(+{s['known_engine_5xx']} known engine-side), alive after: {s['alive']}, "
+             f"alive after: {s['alive']}, "
              f"KV blocks leaked: {s['leaked_blocks']}, pool.check(): {'holds' if s['pool_check'] else 'FAILS'}, "
              f"other check failures: {s['check_failures']}, {s['wall_s']} s",
              f"statuses: {s['statuses']}"]
-    lines += [f"5xx: {x}" for x in s["server_errors"]] + [f"known: {x}" for x in s["known"]]
+    lines += [f"5xx: {x}" for x in s["server_errors"]]
     lines += [f"check: {x}" for x in s["checks"]] + [f"schemathesis: {x}" for x in s["schemathesis_errors"]]
     return "\n".join(lines)
