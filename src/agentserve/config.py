@@ -14,8 +14,11 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     eos_token_ids: tuple[int, ...] = ()  # end a request unless ignore_eos
     # Waiting requests that do not fit now and are passed over in one step to admit the ones
-    # behind them; bounds the per-step admission cost when many large requests wait.
-    admission_lookahead: int = 8
+    # behind them (0: admission in arrival order stops at the first that does not fit). Off by
+    # default: on the Mooncake conversation trace at 256k tokens per replica, 8 made LRU
+    # recompute 343M prompt tokens instead of 48.5M (JCT p50 1,268 s instead of 14 s): the
+    # requests let past a large one fill the pool and evict the cached prefixes.
+    admission_lookahead: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -48,6 +48,7 @@ class Setup:
     budget: int
     max_num_seqs: int
     caching: bool
+    lookahead: int
     arrivals: tuple[Arrival, ...]
 
 
@@ -62,7 +63,8 @@ def setups(draw: st.DrawFn, max_requests: int = 8) -> Setup:
         prompt_len=st.integers(1, max(1, max_model_len - 1)), max_tokens=st.integers(1, 24),
         abort_after=st.none() | st.integers(0, 20)), min_size=1, max_size=max_requests))
     return Setup(bs, num_blocks, max_model_len, draw(st.integers(1, 40)), draw(st.integers(1, 6)),
-                 draw(st.booleans()), tuple(sorted(arrivals, key=lambda a: a.step)))
+                 draw(st.booleans()), draw(st.sampled_from([0, 2])),
+                 tuple(sorted(arrivals, key=lambda a: a.step)))
 
 
 def prompt(a: Arrival, index: int) -> list[int]:
@@ -95,7 +97,7 @@ class Run:
 def simulate(s: Setup) -> Run:
     cfg = SchedulerConfig(max_model_len=s.max_model_len, block_size=s.block_size,
                           max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.budget,
-                          enable_prefix_caching=s.caching, admission_lookahead=2)
+                          enable_prefix_caching=s.caching, admission_lookahead=s.lookahead)
     pool = BlockPool(s.num_blocks, s.block_size)
     sch = Scheduler(cfg, pool)
     run = Run({}, {}, [], 0)
@@ -175,8 +177,8 @@ def test_every_request_finishes_within_the_solo_counts_before_it(s: Setup) -> No
     check_bounds(s, simulate(s))
 
 
-def test_a_large_waiting_request_does_not_block_smaller_ones_behind_it() -> None:
-    cfg = SchedulerConfig(max_model_len=64, block_size=4, max_num_batched_tokens=64)
+def test_with_lookahead_a_large_waiting_request_lets_smaller_ones_pass() -> None:
+    cfg = SchedulerConfig(max_model_len=64, block_size=4, max_num_batched_tokens=64, admission_lookahead=1)
     pool = BlockPool(16, 4)  # 64 tokens
     sch = Scheduler(cfg, pool)
 
@@ -197,7 +199,7 @@ def test_a_large_waiting_request_does_not_block_smaller_ones_behind_it() -> None
 def test_the_earliest_request_preempts_later_ones_it_waited_behind() -> None:
     """big arrived before small but waited (small fit beside a, big did not); once a finishes,
     big is the earliest and runs at once, taking small's blocks, instead of waiting for it."""
-    cfg = SchedulerConfig(max_model_len=56, block_size=4, max_num_batched_tokens=64)
+    cfg = SchedulerConfig(max_model_len=56, block_size=4, max_num_batched_tokens=64, admission_lookahead=1)
     sch = Scheduler(cfg, BlockPool(14, 4))
     reqs = {rid: Request(RequestId(rid), [tok] * n, n, SamplingParams(max_tokens=m), KEYS, 0.0)
             for rid, tok, n, m in (("a", 1, 28, 3), ("big", 2, 40, 2), ("small", 3, 16, 24))}

@@ -14,9 +14,10 @@ admitted first, preempting later arrivals for a sequence slot or blocks. Since `
 only requests whose longest possible sequence fits the pool alone, the earliest request
 advances every step exactly as it would alone, so every request finishes within the solo step
 counts of those that arrived before it, plus its own (tests/engine/test_scheduler_properties.py).
-Other waiting requests are admitted in priority order while budget, slots and blocks last;
-one that does not fit now is passed over (up to `admission_lookahead` of them per step), so
-it never blocks the smaller ones behind it.
+Other waiting requests are admitted in priority order while budget, slots and blocks last
+(`admission_lookahead` > 0 also passes over that many that do not fit now, to admit smaller
+ones behind them). No request that could never fit is ever queued, so none blocks the ones
+behind it for longer than the requests ahead of it take.
 """
 
 from __future__ import annotations
@@ -218,8 +219,8 @@ class Scheduler:
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk], now: float) -> int:
         """Admit waiting requests in priority order while budget, slots and blocks last, passing
-        over up to `admission_lookahead` that cannot be admitted now (they are admitted in
-        priority order once they fit, or first once they are the earliest). A request whose
+        over up to `admission_lookahead` that do not fit now (they are admitted in priority
+        order once they fit, or first once they are the earliest). A request whose
         next uncached block is being computed right now by a running request waits a step
         rather than compute it twice (agents starting together share their system prompt)."""
         in_flight: set[BlockHash] | None = None
@@ -231,7 +232,7 @@ class Scheduler:
             if self.config.enable_prefix_caching and len(matched) < len(request.block_hashes):
                 in_flight = self._in_flight() if in_flight is None else in_flight
                 if request.block_hashes[len(matched)] in in_flight:
-                    i, passed = i + 1, passed + 1
+                    i += 1  # it waits a step; the ones behind it may go
                     continue
             computed, n, need = self._admission(request, matched, budget)
             if need > self.pool.num_free_blocks - self.pool.count_free(matched):
