@@ -106,15 +106,22 @@ def test_a_streaming_client_that_stops_reading_is_dropped_and_its_blocks_freed(s
                                                   (b"content-length", str(len(body)).encode())],
                  "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "scheme": "http", "root_path": ""}
         task = asyncio.create_task(app(scope, receive, send))
-        await asyncio.wait_for(blocked.wait(), 60)
         sch = state.llm.engine.scheduler
-        assert sch.requests and sch.pool.stats().num_used > 0
-        for _ in range(200):
-            await asyncio.sleep(0.05)
-            if not sch.requests and sch.pool.stats().num_used == 0:
-                break
-        assert not sch.requests and sch.pool.stats().num_used == 0
-        assert not state.live
-        task.cancel()
-        reaper.cancel()
+        try:
+            await asyncio.wait_for(blocked.wait(), 60)
+            for _ in range(1200):  # until it generates: its blocks are held
+                await asyncio.sleep(0.05)
+                if any(r.first_token_time is not None for r in sch.requests.values()):
+                    break
+            assert sch.requests and sch.pool.stats().num_used > 0
+            for _ in range(400):  # then the reaper drops it after the 1 s stall timeout
+                await asyncio.sleep(0.05)
+                if not sch.requests and sch.pool.stats().num_used == 0:
+                    break
+            assert not sch.requests and sch.pool.stats().num_used == 0
+            assert not state.live
+        finally:
+            task.cancel()
+            reaper.cancel()
+            await asyncio.gather(task, reaper, return_exceptions=True)
     run_app(smol_llm, ServerConfig(stream_stall_timeout_s=1.0), go)
