@@ -82,7 +82,10 @@ def scheduler_with_decodes(prompts, outs, block_size, num_blocks, caching, virtu
     keys = ExtraKeys("t")
     for i, (n, out) in enumerate(zip(prompts, outs)):
         if virtual:  # the simulator's way: a length and every block hash up front
-            tokens, hashes = VirtualTokens(n), [h % 5 for h in range(i, i + (n + out) // block_size)]
+            # every chain shares its first 3 blocks; a chain never repeats a hash (chained
+            # hashes cannot), so a prefix match never holds a block twice
+            tokens = VirtualTokens(n)
+            hashes = [h if h < 3 else 1000 * (i + 1) + h for h in range((n + out) // block_size)]
         else:  # the engine's way: token ids, hashes computed as blocks fill
             tokens, hashes = [t % 3 for t in range(n)], []
         sch.add(Request(RequestId(f"r{i}"), tokens, n, SamplingParams(max_tokens=out, ignore_eos=True),
