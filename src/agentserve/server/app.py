@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from agentserve.engine.request import RequestOutput, SamplingParams
 from agentserve.server import chat_routes, completion_routes
 from agentserve.server.async_engine import AsyncEngine
 from agentserve.server.errors import APIError, install_handlers
+from agentserve.server.grammars import GrammarConfig, Grammars
 from agentserve.server.metrics import Metrics
 from agentserve.server.protocol import _Sampling
 from agentserve.server.sessions import Session, SessionClosedError, SessionRegistry
@@ -31,6 +33,11 @@ class ServerState:
     sessions: SessionRegistry = field(default_factory=lambda: SessionRegistry(time.time))
     engine: AsyncEngine | None = None
     ids: itertools.count = field(default_factory=itertools.count)
+    grammar_config: GrammarConfig = field(default_factory=GrammarConfig)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        return Grammars(self.llm.runner.guided.compiler, self.grammar_config)
 
     @property
     def tokenizer(self) -> Any:

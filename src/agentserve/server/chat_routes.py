@@ -31,6 +31,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         state.check_model(body.model)
         prompt = build_chat_prompt(body, state.tokenizer)
+        await state.grammars.prepare(body.tools or [], prompt.guide)
         sampling = state.sampling(body, len(prompt.token_ids), body.max_completion_tokens or body.max_tokens,
                                   prompt.guide)
         rid = f"chatcmpl-{next(state.ids)}"

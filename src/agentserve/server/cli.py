@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from agentserve.server.grammars import add_grammar_args, grammar_config
 from agentserve.server.tool_parsers import get_parser
 
 
@@ -20,7 +21,7 @@ def build_state(args: argparse.Namespace):
     if llm.runner.guided is not None:
         llm.runner.guided.warm()  # constrained decoding's token table: built now, not on a request
     return ServerState(llm=llm, model_name=args.served_model_name or args.model,
-                       tool_parser=get_parser(args.tool_parser))
+                       tool_parser=get_parser(args.tool_parser), grammar_config=grammar_config(args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,4 +73,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="use torch's SDPA for CPU decode attention instead of the C++ kernel")
     p.add_argument("--tool-parser", default="auto", choices=["auto", "hermes", "json", "qwen3_xml"])
+    add_grammar_args(p)
     p.set_defaults(func=run)
