@@ -105,7 +105,7 @@ def test_masks_match_llguidance_and_rows_stay_independent(guided):
     for rid, toks in steps.items():
         logits = torch.zeros(len(rows), vocab)
         assert guided.mask(logits, rows) == {}
-        assert guided.accept([(rid, t) for t in toks]) == {}
+        assert all(guided.accept(rid, t) is None for t in toks)
     logits = torch.randn(len(rows), vocab)
     before = logits.clone()
     assert guided.mask(logits, rows) == {}
@@ -130,8 +130,8 @@ def test_a_failing_grammar_fails_only_its_request(guided):
     brace = guided._hf_tokenizer.encode("{", add_special_tokens=False)[0]
     rows2 = [(RequestId("good"), good), (RequestId("other"), good)]
     guided.mask(torch.zeros(2, guided.vocab_size), rows2)
-    failures = guided.accept([(RequestId("good"), brace), (RequestId("other"), digit)])
-    assert list(failures) == ["other"]
+    assert guided.accept(RequestId("good"), brace) is None
+    assert guided.accept(RequestId("other"), digit).startswith("constrained decoding failed: ")
     assert guided.mask(torch.zeros(1, guided.vocab_size), [(RequestId("good"), good)]) == {}
     guided.release(["good", "bad", "other"])
 
@@ -208,21 +208,3 @@ def test_apply_bitmask_masks_ids_past_the_tokenizer_table():
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 2, *range(32, 64)]
     assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
 
-
-def test_runner_names_only_the_failed_request_and_keeps_the_others_tokens():
-    """What the engine gets when one guided row fails: the request ids and reasons, plus every
-    other request's sampled token (so it can end only the failed ones)."""
-    from agentserve.api import LLM
-    from agentserve.engine.request import SamplingParams
-    from agentserve.model.guided import GuidedDecodingError
-
-    llm = LLM("smollm2-135m", dtype="float32", num_kv_blocks=64, max_model_len=256)
-    bad = schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})
-    llm.engine.add([1, 2, 3], SamplingParams(max_tokens=4, temperature=0), "plain")
-    llm.engine.add([1, 2, 3], SamplingParams(max_tokens=4, temperature=0, guide=schema(WEATHER)), "weather")
-    llm.engine.add([1, 2, 3], SamplingParams(max_tokens=4, temperature=0, guide=bad), "broken")
-    with pytest.raises(GuidedDecodingError) as err:
-        llm.engine.step()
-    assert list(err.value.failures) == ["broken"] and "nowhere" in err.value.failures["broken"]
-    assert set(err.value.sampled) == {"plain", "weather"}
-    assert llm.tokenizer.decode([err.value.sampled["weather"]]).lstrip()[:1] in ("{", "")  # grammar held

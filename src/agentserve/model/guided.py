@@ -6,9 +6,10 @@ step thread only copies it), the mask is applied to the logits before sampling a
 token advances the matcher. Preemption does not disturb them: a recomputed request re-samples
 nothing it already has.
 
-A failure is one request's own: `mask` and `accept` return the requests whose grammar failed
-(it does not compile, hit a resource limit, or rejected a token) with the reason, and touch no
-other row. A failed row is left unmasked; the caller must end that request and drop its token.
+A failure is one request's own: `mask` returns the requests whose grammar failed (it does not
+compile or hit a resource limit) and `accept` says why a request's sampled token was rejected;
+neither touches another row. A failed row is left unmasked: the caller ends that request and
+drops its token (main's runner: RunResult.failed).
 """
 
 from __future__ import annotations
@@ -23,18 +24,10 @@ import llguidance.torch
 import torch
 
 from agentserve.engine.request import Guide, RequestId
-from agentserve.model.grammar import GrammarCompiler, guarded
+from agentserve.model.grammar import GrammarCompiler, grammar_text, guarded
 
 
-class GuidedDecodingError(RuntimeError):
-    """Some requests' grammars failed this step (`failures`: request id -> reason); `sampled`
-    holds the step's tokens for every other request, which are unaffected."""
-
-    def __init__(self, failures: dict[RequestId, str], sampled: dict[RequestId, int]) -> None:
-        self.failures = failures
-        self.sampled = sampled
-        super().__init__("; ".join(f"request {rid}: constrained decoding failed: {why}"
-                                   for rid, why in failures.items()))
+FAILED = "constrained decoding failed: "
 
 
 class GuidedDecoding:
@@ -61,15 +54,20 @@ class GuidedDecoding:
     def warm(self) -> None:
         self.tokenizer()
 
+    @staticmethod
+    def grammar(guide: Guide) -> str:
+        """The guide as llguidance grammar text."""
+        return grammar_text(guide)
+
     def _matcher(self, rid: RequestId, guide: Guide) -> llguidance.LLMatcher | str:
         """The request's matcher, copied from the template on its first step; or why not."""
         matcher = self._matchers.get(rid)
         if matcher is None:
             compiled = self.compiler.compiled_for_step(guide)
             if compiled.matcher is None:
-                return compiled.error or "the grammar did not compile"
+                return FAILED + (compiled.error or "the grammar did not compile")
             matcher = self._matchers[rid] = compiled.matcher.deep_copy()
-        return matcher.get_error() if matcher.is_error() else matcher
+        return FAILED + matcher.get_error() if matcher.is_error() else matcher
 
     def mask(self, logits: torch.Tensor, rows: Sequence[tuple[RequestId, Guide | None]]) -> dict[RequestId, str]:
         """Set logits of tokens each row's grammar forbids to -inf, in place; logits: [rows, vocab].
@@ -91,7 +89,7 @@ class GuidedDecoding:
         ok = []
         for k, (i, rid, matcher) in enumerate(guided):
             if error is not None or matcher.is_error():
-                failures[rid] = error or matcher.get_error()
+                failures[rid] = FAILED + (error or matcher.get_error())
             else:
                 ok.append((k, i))
         if ok:
@@ -108,14 +106,12 @@ class GuidedDecoding:
         llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)],
                                                      bitmask)
 
-    def accept(self, tokens: Iterable[tuple[RequestId, int]]) -> dict[RequestId, str]:
-        """Advance each guided request's matcher by its sampled token; the ones that rejected it."""
-        failures: dict[RequestId, str] = {}
-        for rid, token in tokens:
-            matcher = self._matchers.get(rid)
-            if matcher is not None and not matcher.consume_token(token):
-                failures[rid] = matcher.get_error() or f"token {token} is not allowed here"
-        return failures
+    def accept(self, request_id: RequestId, token: int) -> str | None:
+        """Advance the request's matcher by its sampled token; why it rejected it, or None."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or (matcher.consume_token(token) and not matcher.is_error()):
+            return None
+        return FAILED + (matcher.get_error() or f"token {token} is not allowed here")
 
     def release(self, request_ids: Iterable[RequestId]) -> None:
         for rid in request_ids:

@@ -10,7 +10,7 @@ import torch
 from agentserve.engine.request import RequestId
 from agentserve.engine.scheduler import Batch
 from agentserve.model.config import ModelConfig
-from agentserve.model.guided import GuidedDecoding, GuidedDecodingError
+from agentserve.model.guided import GuidedDecoding
 from agentserve.model.sampler import sample
 from agentserve.model.transformer import ChunkLayout, DecodeGroup, PagedKV, Transformer
 
@@ -87,10 +87,9 @@ class ModelRunner:
             self._decode_group(decode_rows, decode_slots),
         )
         sampled_chunks = [c for c in batch.chunks if c.sample]
-        failures: dict[RequestId, str] = {}
         if self.guided is not None:
             self.guided.release(batch.finished)
-            failures = self.guided.mask(logits, [(c.request_id, c.sampling.guide) for c in sampled_chunks])
+            self.guided.mask(logits, [(c.request_id, c.sampling.guide) for c in sampled_chunks])
         tokens = sample(
             logits,
             [c.sampling for c in sampled_chunks],
@@ -99,9 +98,6 @@ class ModelRunner:
             self.generator,
         )
         if self.guided is not None:
-            failures |= self.guided.accept(
-                (c.request_id, t) for c, t in zip(sampled_chunks, tokens, strict=True) if c.request_id not in failures)
-        sampled = {c.request_id: t for c, t in zip(sampled_chunks, tokens, strict=True) if c.request_id not in failures}
-        if failures:  # only those requests failed: the exception carries the others' tokens
-            raise GuidedDecodingError(failures, sampled)
-        return sampled
+            for c, t in zip(sampled_chunks, tokens, strict=True):
+                self.guided.accept(c.request_id, t)
+        return {c.request_id: t for c, t in zip(sampled_chunks, tokens, strict=True)}
