@@ -96,6 +96,59 @@ def _fuzz(args: argparse.Namespace) -> int:
     return 0 if report.ok() and not report.check_failures else 1
 
 
+def _grammar(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from agentserve.bench.grammar_bench import GrammarBenchConfig, result_dicts, run_grammar_bench
+
+    modes = tuple(args.modes.split(","))
+    cfg = GrammarBenchConfig(model=args.model, dtype=args.dtype, device=args.device, streams=args.streams,
+                             rounds=args.rounds, port=args.port, modes=modes,
+                             baseline_src=Path(args.baseline_src) if args.baseline_src else None)
+    results = asyncio.run(run_grammar_bench(cfg))
+    t = Table(title=f"grammar bench: {args.model}, {args.streams} streams, {args.rounds} rounds of a new 40-tool "
+                    f"forced call and its tool_choice=auto control, {platform.processor() or platform.machine()}")
+    for col in ("mode", "ITL p50 / p99 / stall ms: before", "control", "new grammar", "p99 new/before",
+                "p99 new/control", "stall new/before", "door ms control / new", "ok", "cached"):
+        t.add_column(col, justify="right")
+    for r in results:
+        t.add_row(r.mode, *(f"{x.p50_ms:.0f} / {x.p99_ms:.0f} / {x.stall_ms:.0f} ({x.num_gaps})"
+                            for x in (r.before, r.control, r.new)),
+                  f"{r.p99_vs_before:.2f}x", f"{r.p99_vs_control:.2f}x", f"{r.stall_vs_before:.2f}x",
+                  f"{r.door_control_p50_ms:.0f} / {r.door_new_p50_ms:.0f}", f"{r.num_ok}/{2 * args.rounds}",
+                  f"{r.cached_fraction:.0%}")
+    Console(width=200).print(t)
+    for r in results:
+        for e in r.errors:
+            Console().print(f"[red]{r.mode}: {e}")
+    if args.gil:
+        _gil(args.model)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result_dicts(results), indent=2, default=str))
+    return 0
+
+
+def _gil(model: str) -> None:
+    from agentserve.bench.gil_probe import probe
+    from agentserve.bench.tool_schemas import agent_tools
+    from agentserve.model.loader import load_model_config, load_tokenizer, resolve_model_dir
+    from agentserve.server.chat import _guide
+    from agentserve.server.protocol import ChatCompletionRequest
+
+    def guide(salt: str):
+        return _guide(ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                            "tools": agent_tools(salt), "tool_choice": "required"}))
+
+    model_dir = resolve_model_dir(model, Path.home() / ".cache" / "agentserve")
+    t = Table(title="llguidance and the GIL: a Python thread spinning beside its work")
+    for col in ("work", "ms alone", "ms beside", "spinner rate vs alone", "longest spinner stall ms"):
+        t.add_column(col, justify="right")
+    for p in probe(load_tokenizer(model_dir), load_model_config(model_dir).vocab_size, guide):
+        t.add_row(p.what, f"{p.alone_ms:.0f}", f"{p.beside_ms:.0f}", f"{p.rate_vs_solo:.0%}",
+                  f"{p.longest_stall_ms:.1f}")
+    Console().print(t)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
     sub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -136,3 +189,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--max-time", type=int, default=None, help="stop after this many seconds")
     f.add_argument("--json", default=None, help="also write the figures and findings to this file")
     f.set_defaults(func=_fuzz)
+    g = sub.add_parser("grammar", help="inter-token latency of running streams while a new 40-tool grammar compiles")
+    g.add_argument("--model", default="smollm2-135m")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    g.add_argument("--device", default=None)
+    g.add_argument("--streams", type=int, default=4)
+    g.add_argument("--rounds", type=int, default=16,
+                   help="each: a forced call with a grammar never seen before, and its control")
+    g.add_argument("--port", type=int, default=8731)
+    g.add_argument("--modes", default="worker,inline",
+                   help="comma-separated: worker, inline (--grammar-inline), baseline (needs --baseline-src)")
+    g.add_argument("--baseline-src", default=None, help="another checkout's src/ for mode 'baseline' (e.g. main's)")
+    g.add_argument("--gil", action="store_true", help="also measure whether llguidance holds the GIL")
+    g.add_argument("--json", default=None)
+    g.set_defaults(func=_grammar)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from agentserve.server.async_engine import AsyncEngine, EngineUnavailable, Reque
 from agentserve.server.door import Door, overloaded, slot_of
 from agentserve.server.errors import APIError, install_handlers
 from agentserve.server.generation import Generation
+from agentserve.server.grammars import GrammarConfig, Grammars
 from agentserve.server.metrics import Metrics
 from agentserve.server.protocol import _Sampling
 from agentserve.server.sessions import Session, SessionClosedError, SessionRegistry
@@ -37,11 +39,16 @@ class ServerState:
     sessions: SessionRegistry = field(default_factory=lambda: SessionRegistry(time.time))
     engine: AsyncEngine | None = None
     ids: itertools.count = field(default_factory=itertools.count)
+    grammar_config: GrammarConfig = field(default_factory=GrammarConfig)
     admission: Admission = field(init=False)
     live: dict[str, Generation] = field(default_factory=dict)  # accepted, not yet closed
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config, time.monotonic)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        return Grammars(self.llm.runner.guided.compiler, self.grammar_config)
 
     @property
     def tokenizer(self) -> Any:

@@ -74,7 +74,9 @@ class _Turn:
             return None
         state, body = self.state, self.body.model_copy(update={"tool_choice": "none", "min_tokens": 0})
         prompt = build_chat_prompt(body, state.tokenizer)
-        sampling = state.sampling(body, len(prompt.token_ids), left, answer_guide())
+        guide = answer_guide()
+        await state.grammars.prepare([], guide)
+        sampling = state.sampling(body, len(prompt.token_ids), left, guide)
         rid = f"{self.request_id}-answer"
         gen = await state.start(self.request, rid, prompt.token_ids, sampling, body, "chat",
                                 slot=state.enter())
@@ -86,6 +88,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         state.check_model(body.model)
         prompt = build_chat_prompt(body, state.tokenizer)
+        await state.grammars.prepare(body.tools or [], prompt.guide)
         sampling = state.sampling(body, len(prompt.token_ids), body.max_completion_tokens or body.max_tokens,
                                   prompt.guide)
         rid = f"chatcmpl-{next(state.ids)}"

@@ -1,0 +1,120 @@
+"""The grammar bench's moving parts: a server subprocess on 127.0.0.1, streaming requests that
+timestamp every token chunk, and the forced-call request whose grammar is new."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+import agentserve
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    model: str
+    dtype: str
+    device: str | None
+    port: int
+    max_num_seqs: int
+    inline: bool  # --grammar-inline: compile on the step thread (the old behaviour)
+    src: Path | None  # run this checkout's src/ instead (e.g. main's, which has no grammar flags)
+
+
+@contextlib.contextmanager
+def server(spec: ServerSpec, log_path: Path) -> Iterator[str]:
+    """`agentserve serve` in a subprocess; yields its base URL and stops it on exit. It inherits
+    the bench's environment, so OMP_WAIT_POLICY=PASSIVE from the CLI unless set otherwise: with
+    serve's default spin, a machine busy elsewhere turns 0.1 s decode steps into 1 s ones."""
+    argv = [sys.executable, "-m", "agentserve.cli", "serve", "--model", spec.model, "--dtype", spec.dtype,
+            "--port", str(spec.port), "--max-num-seqs", str(spec.max_num_seqs), "--kv-cache-memory-gib", "2"]
+    if spec.device:
+        argv += ["--device", spec.device]
+    if spec.inline:
+        argv.append("--grammar-inline")
+    env = dict(os.environ)
+    src = spec.src or Path(agentserve.__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH")) if p)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield f"http://127.0.0.1:{spec.port}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def wait_healthy(client: httpx.AsyncClient, timeout_s: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.TransportError):
+            if (await client.get("/health")).status_code == 200:
+                return
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; its log: {log_path}")
+
+
+async def stream_tokens(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+                        stamps: list[float]) -> None:
+    """A long completion; appends the arrival time of every chunk that carries tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True, "return_token_ids": True}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"stream: HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if any(ch.get("token_ids") for ch in json.loads(line[6:]).get("choices", [])):
+                    stamps.append(time.perf_counter())
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedCall:
+    sent: float  # perf_counter when the request left
+    admitted: float | None  # its first SSE chunk: past the door (tool checks, compile), in the engine
+    done: float
+    status: int
+    cached_tokens: int | None  # prompt tokens served from the prefix cache
+    prompt_tokens: int | None
+    error: str | None
+
+
+async def forced_call(client: httpx.AsyncClient, model: str, messages: list[dict[str, Any]],
+                      tools: list[dict[str, Any]], max_tokens: int, tool_choice: str = "required") -> ForcedCall:
+    body = {"model": model, "messages": messages, "tools": tools, "tool_choice": tool_choice,
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    sent, admitted, usage = time.perf_counter(), None, {}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            text = (await r.aread()).decode()[:300]
+            return ForcedCall(sent, None, time.perf_counter(), r.status_code, None, None, text)
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            admitted = admitted or time.perf_counter()
+            usage = json.loads(line[6:]).get("usage") or usage
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return ForcedCall(sent, admitted, time.perf_counter(), 200, cached, usage.get("prompt_tokens"), None)
+
+
+async def prefill(client: httpx.AsyncClient, model: str, prompt_ids: list[int]) -> None:
+    """Put a prompt in the prefix cache (one generated token), so a later request with the same
+    prompt measures its grammar, not its prefill."""
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0}
+    r = await client.post("/v1/completions", json=body)
+    if r.status_code != 200:
+        raise RuntimeError(f"prefill: HTTP {r.status_code}: {r.text[:300]}")
