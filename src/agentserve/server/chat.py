@@ -39,8 +39,8 @@ def _rebased(schema: Any, base: str) -> Any:
     """The schema with its local `$ref`s ("#/...") pointing under `base`."""
     if isinstance(schema, list):
         return [_rebased(s, base) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
+    if not isinstance(schema, dict) or "$id" in schema:
+        return schema  # `$id` starts a resource of its own: its "#/..." refs are relative to it
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):
