@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -21,8 +18,9 @@ import jsonschema
 import openai
 import pytest
 
+from agentserve.bench.served import served
+
 from agentserve.server.tool_parsers import extract, get_parser
-from tests.server.test_e2e_openai import free_port
 
 pytestmark = pytest.mark.slow
 M = "qwen2.5-coder-0.5b"
@@ -92,29 +90,8 @@ def check_answer(answer: object) -> None:
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentserve.cli", "serve", "--model", M, "--port", str(port), "--max-model-len", "4096"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start in 300 s")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with served(["--model", M, "--max-model-len", "4096"]) as s:
+        yield s.url
 
 
 @pytest.fixture(scope="module")

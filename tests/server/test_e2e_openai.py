@@ -5,15 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
+
+from agentserve.bench.served import served
 
 pytestmark = pytest.mark.slow
 M = "smollm2-135m"
@@ -22,38 +21,10 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "required": ["city", "unit"], "additionalProperties": False}}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentserve.cli", "serve", "--model", M, "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "2048"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start in 180 s")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with served(["--model", M, "--dtype", "float32", "--max-model-len", "2048"]) as s:
+        yield s.url
 
 
 @pytest.fixture(scope="module")

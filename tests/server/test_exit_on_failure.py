@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.test_e2e_openai import free_port
+from agentserve.bench.served import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from agentserve.bench.grammar_client import (ForcedCall, ServerSpec, forced_call, prefill, server,
-                                             stream_tokens, wait_healthy)
+                                             stream_tokens)
 from agentserve.bench.tool_schemas import agent_tools
 
 MESSAGES = [{"role": "user", "content": "Book a 30-minute meeting with bob@example.com on Monday at 10:00."}]
@@ -148,9 +148,8 @@ async def run_mode(cfg: GrammarBenchConfig, mode: str, tokenizer: Any) -> ModeRe
                       src=cfg.baseline_src if mode == "baseline" else None)
     log_path = cfg.log_dir / f"agentserve-bench-grammar-{mode}.log"
     salt = uuid.uuid4().hex[:6]  # never a grammar any cache has seen
-    with server(spec, log_path) as url:
+    with server(spec, log_path, cfg.startup_timeout_s) as url:
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-            await wait_healthy(client, cfg.startup_timeout_s, log_path)
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
             await forced_call(client, model, MESSAGES, agent_tools(f"_{salt}w"), cfg.guided_max_tokens)  # one-offs
             stamps: list[list[float]] = [[] for _ in range(cfg.streams)]

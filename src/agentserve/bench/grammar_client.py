@@ -3,12 +3,9 @@ timestamp every token chunk, and the forced-call request whose grammar is new.""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +15,7 @@ from typing import Any
 import httpx
 
 import agentserve
+from agentserve.bench.served import served
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,40 +30,21 @@ class ServerSpec:
 
 
 @contextlib.contextmanager
-def server(spec: ServerSpec, log_path: Path) -> Iterator[str]:
+def server(spec: ServerSpec, log_path: Path, start_timeout_s: float) -> Iterator[str]:
     """`agentserve serve` in a subprocess; yields its base URL and stops it on exit. It inherits
     the bench's environment, so OMP_WAIT_POLICY=PASSIVE from the CLI unless set otherwise: with
     serve's default spin, a machine busy elsewhere turns 0.1 s decode steps into 1 s ones."""
-    argv = [sys.executable, "-m", "agentserve.cli", "serve", "--model", spec.model, "--dtype", spec.dtype,
-            "--port", str(spec.port), "--max-num-seqs", str(spec.max_num_seqs), "--kv-cache-memory-gib", "2"]
+    args = ["--model", spec.model, "--dtype", spec.dtype, "--max-num-seqs", str(spec.max_num_seqs),
+            "--kv-cache-memory-gib", "2"]
     if spec.device:
-        argv += ["--device", spec.device]
+        args += ["--device", spec.device]
     if spec.inline:
-        argv.append("--grammar-inline")
+        args.append("--grammar-inline")
     env = dict(os.environ)
     src = spec.src or Path(agentserve.__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH")) if p)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            yield f"http://127.0.0.1:{spec.port}"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-async def wait_healthy(client: httpx.AsyncClient, timeout_s: float, log_path: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.TransportError):
-            if (await client.get("/health")).status_code == 200:
-                return
-        await asyncio.sleep(0.5)
-    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; its log: {log_path}")
+    with log_path.open("w") as log, served(args, log, start_timeout_s, env, spec.port) as s:
+        yield s.url
 
 
 async def stream_tokens(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,

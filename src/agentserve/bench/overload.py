@@ -7,15 +7,14 @@ peak RSS during the burst against its RSS before it. docs/reliability.md has the
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from agentserve.bench.served import served
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +38,6 @@ def _rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _bodies(model: str, n: int, large_bytes: int, max_tokens: int) -> list[tuple[str, dict]]:
@@ -102,28 +95,18 @@ async def _burst(url: str, pid: int, bodies: list[tuple[str, dict]], huge: bytes
 
 def run_overload(model: str, max_queued: int, factor: int, large_bytes: int, body_limit: int,
                  max_tokens: int, extra_args: list[str]) -> OverloadResult:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "agentserve.cli", "serve", "--model", model, "--port", str(port),
-           "--max-queued-requests", str(max_queued), "--max-request-body-bytes", str(body_limit),
-           *extra_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_healthy(url, proc)
+    args = ["--model", model, "--max-queued-requests", str(max_queued),
+            "--max-request-body-bytes", str(body_limit), *extra_args]
+    with served(args) as server:
+        url, pid = server.url, server.proc.pid
         warm = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens}
         httpx.post(url + "/v1/chat/completions", json=warm, timeout=300).raise_for_status()
-        idle = _rss_mib(proc.pid)
+        idle = _rss_mib(pid)
         bodies = _bodies(model, max_queued * factor, large_bytes, max_tokens)
         huge = b'{"model": "' + model.encode() + b'", "messages": [], "pad": "' + b"x" * (body_limit + 1) + b'"}'
-        counts, wall, peak = asyncio.run(_burst(url, proc.pid, bodies, huge))
+        counts, wall, peak = asyncio.run(_burst(url, pid, bodies, huge))
         alive = httpx.get(url + "/health", timeout=10).status_code == 200
         used = _used_blocks(httpx.get(url + "/metrics", timeout=10).text)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     known = {"200", "429", "413"}
     rejected = sum(v for k, v in counts.items() if k.isdigit() and 400 <= int(k) < 500 and k not in known)
     lost = sum(v for k, v in counts.items() if not k.isdigit() or int(k) >= 500)
@@ -131,20 +114,6 @@ def run_overload(model: str, max_queued: int, factor: int, large_bytes: int, bod
                           too_large=counts["413"], rejected=rejected, lost=lost, wall_s=wall,
                           idle_rss_mib=idle, peak_rss_mib=peak, alive_after=alive,
                           used_blocks_after=used, statuses=dict(counts))
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server did not become healthy in 300 s")
 
 
 def _used_blocks(metrics: str) -> int:

@@ -8,13 +8,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
 
 from agentserve.engine.request import RequestOutput
 from agentserve.server.chat import ChatPrompt, build_chat_prompt
 from agentserve.server.generation import (
-    DONE, FINISH, ClientGone, Generation, TextState, collect, sse, streaming, until_disconnected,
-    usage)
+    DONE, FINISH, Generation, TextState, run_one_shot, sse, streaming, usage)
 from agentserve.server.protocol import ChatCompletionRequest
 from agentserve.server.tool_loop import CallKey, LoopDecision, answer_guide, answered_calls, decide, merged
 from agentserve.server.tool_parsers import (ParsedOutput, StreamingToolParser, ToolCall, ToolParser, extract,
@@ -100,23 +98,15 @@ def register(app: FastAPI, state: ServerState) -> None:
         parser = StreamingToolParser(_tool_parser(state, prompt), prompt.tools) if prompt.tools else None
         if body.stream:
             return streaming(_stream(turn, parser, gen, text, head, session_id), gen)
-        try:
-            await until_disconnected(request, collect(gen, text))
-        except ClientGone:
-            return Response(status_code=499)  # nobody is left to read it
-        finally:
-            gen.close()
+        if (gone := await run_one_shot(request, gen, text)) is not None:
+            return gone
         assert text.last is not None
         parsed = extract(parser.parser, text.text, prompt.tools) if parser else ParsedOutput(text.text, ())
         decision, content, last = turn.decide(parsed), parsed.content, text.last
         if decision.ask_answer and (started := await turn.answer(last)) is not None:
             answer_gen, answer = started
-            try:
-                await until_disconnected(request, collect(answer_gen, answer))
-            except ClientGone:
-                return Response(status_code=499)
-            finally:
-                answer_gen.close()
+            if (gone := await run_one_shot(request, answer_gen, answer)) is not None:
+                return gone
             assert answer.last is not None
             content, last = answer.text, merged(last, answer.last)
         state.finish(session_id, last)

@@ -7,11 +7,9 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
 
 from agentserve.server.generation import (
-    DONE, FINISH, ClientGone, Generation, TextState, collect, sse, streaming, until_disconnected,
-    usage)
+    DONE, FINISH, Generation, TextState, run_one_shot, sse, streaming, usage)
 from agentserve.server.protocol import CompletionRequest
 
 if TYPE_CHECKING:
@@ -34,12 +32,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         head = {"id": rid, "created": int(time.time()), "model": state.model_name}
         if body.stream:
             return streaming(_stream(state, body, prompt, gen, text, head, session_id), gen)
-        try:
-            await until_disconnected(request, collect(gen, text))
-        except ClientGone:
-            return Response(status_code=499)  # nobody is left to read it
-        finally:
-            gen.close()
+        if (gone := await run_one_shot(request, gen, text)) is not None:
+            return gone
         assert text.last is not None
         state.finish(session_id, text.last)
         choice: dict[str, Any] = {"index": 0, "text": text.text, "logprobs": None,

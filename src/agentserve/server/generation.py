@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from agentserve.engine.detokenize import IncrementalDecoder
 from agentserve.engine.request import FinishReason, RequestOutput
@@ -145,9 +145,20 @@ class Generation:
 
 
 async def collect(gen: Generation, text: TextState) -> None:
-    """A non-streaming response's whole output."""
     async for out in gen.outputs():
         text.add(out)
+
+
+async def run_one_shot(request: Request, gen: Generation, text: TextState) -> Response | None:
+    """A non-streaming response's whole output into `text`, closing `gen`; a 499 response to
+    return instead when the client went away (nobody is left to read it)."""
+    try:
+        await until_disconnected(request, collect(gen, text))
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        gen.close()
+    return None
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
