@@ -12,6 +12,7 @@ its request ends with an error and the other rows are sampled as usual.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,15 +58,14 @@ def _draw(row: torch.Tensor, sp: SamplingParams, output_index: int, generator: t
 
 
 def _unsampleable(logits: torch.Tensor) -> dict[int, str]:
-    """Rows that no sampling method can draw from, with why."""
-    broken = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1).tolist()
-    empty = (~torch.isfinite(logits).any(dim=-1)).tolist()
+    """Rows that no sampling method can draw from, with why: one reduction, as a row's
+    maximum is NaN if any logit is, +inf if one is, and -inf if every token is masked."""
     failed = {}
-    for row, (b, e) in enumerate(zip(broken, empty, strict=True)):
-        if b:
-            failed[row] = "the model produced NaN or infinite logits for this request"
-        elif e:
+    for row, peak in enumerate(logits.amax(dim=-1).tolist()):
+        if peak == float("-inf"):
             failed[row] = "no token is allowed at this position (every token was masked)"
+        elif not math.isfinite(peak):
+            failed[row] = "the model produced NaN or infinite logits for this request"
     return failed
 
 

@@ -10,7 +10,6 @@ loop thread only (no locks).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 from agentserve.config import ServerConfig
 
@@ -33,8 +32,10 @@ class Slot:
         self.num_tokens = 0
         self._open = True
 
-    def started(self) -> None:
-        """The request produced its first output: it is running, no longer queued."""
+    def started(self, waited_s: float) -> None:
+        """The request produced its first output `waited_s` after it arrived: it is running,
+        no longer queued."""
+        self._admission.observe_wait(waited_s)
         self.release()
 
     def release(self) -> None:
@@ -44,13 +45,11 @@ class Slot:
 
 
 class Admission:
-    def __init__(self, config: ServerConfig, clock: Callable[[], float]) -> None:
+    def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.clock = clock
         self.num_queued = 0
         self.num_queued_tokens = 0
         self._wait_s = 1.0  # moving average of the time a request spends queued
-        self.num_shed = 0
 
     def enter(self) -> Slot:
         """A request reached the door (its body not read yet). Raises Overloaded."""
@@ -78,7 +77,6 @@ class Admission:
         return max(1, min(60, math.ceil(self._wait_s)))
 
     def _shed(self, why: str) -> None:
-        self.num_shed += 1
         raise Overloaded(f"server overloaded: {why}; retry later", self.retry_after_s())
 
     def _leave(self, slot: Slot) -> None:

@@ -19,7 +19,7 @@ from agentserve.engine.request import RequestOutput, SamplingParams
 from agentserve.server import chat_routes, completion_routes
 from agentserve.server.admission import Admission, Overloaded, Slot
 from agentserve.server.async_engine import AsyncEngine, EngineUnavailable, RequestStream
-from agentserve.server.door import Door, overloaded, slot_of
+from agentserve.server.door import Door, engine_failed, overloaded, slot_of
 from agentserve.server.errors import APIError, install_handlers
 from agentserve.server.generation import Generation
 from agentserve.server.grammars import GrammarConfig, Grammars
@@ -44,7 +44,7 @@ class ServerState:
     live: dict[str, Generation] = field(default_factory=dict)  # accepted, not yet closed
 
     def __post_init__(self) -> None:
-        self.admission = Admission(self.config, time.monotonic)
+        self.admission = Admission(self.config)
 
     @functools.cached_property
     def grammars(self) -> Grammars:
@@ -135,8 +135,8 @@ class ServerState:
         except BaseException:
             slot.release()
             raise
-        generation = Generation(self.async_engine(), request_id, stream, slot, self.admission,
-                                self.metrics, route, lambda g: self.live.pop(g.request_id, None))
+        generation = Generation(self.async_engine(), request_id, stream, slot, self.metrics, route,
+                                lambda g: self.live.pop(g.request_id, None))
         self.live[request_id] = generation
         return generation
 
@@ -152,8 +152,7 @@ class ServerState:
             code = "context_length_exceeded" if "context" in str(exc) else "invalid_value"
             raise APIError(400, str(exc), code=code) from exc
         except EngineUnavailable as exc:
-            raise APIError(503, f"the engine failed and this server is stopping: {exc}",
-                           type_="server_error", code="engine_failed") from exc
+            raise engine_failed(str(exc)) from exc
 
     async def reap_stalled(self) -> None:
         """Drop streaming readers that took nothing for stream_stall_timeout_s (their

@@ -40,7 +40,11 @@ class EngineSnapshot:
 class EngineFailure:
     """Delivered instead of an output when the engine failed: the request was dropped."""
 
-    message: str
+    reason: str
+
+
+class ClientGone(Exception):
+    """The client disconnected, or stopped reading a stream for too long."""
 
 
 class EngineUnavailable(Exception):
@@ -79,9 +83,10 @@ class RequestStream:
         self._ready.set()
 
     async def get(self) -> RequestOutput | EngineFailure:
+        """The outputs not taken yet, merged; raises ClientGone once `drop` was called."""
         await self._ready.wait()
         if self.stalled:
-            return EngineFailure("dropped")  # the handler checks `stalled` first
+            raise ClientGone()
         item, self._pending = self._pending, None
         assert item is not None
         if isinstance(item, RequestOutput) and len(self._tokens) != len(item.new_token_ids):
@@ -229,7 +234,7 @@ class AsyncEngine:
         with self._lock:
             self.failure = reason
         self._run_commands(block=False)  # adds queued before the failure: refused by `command`
-        failure = EngineFailure(f"the engine failed and this server is stopping: {reason}")
+        failure = EngineFailure(reason)
         rids = list(dict.fromkeys([*self.engine.scheduler.requests, *self._streams]))
         for rid in rids:
             try:

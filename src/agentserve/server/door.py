@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from agentserve.server.admission import Overloaded, Slot
+from agentserve.server.async_engine import ClientGone
 from agentserve.server.errors import APIError
-from agentserve.server.generation import ClientGone
 
 if TYPE_CHECKING:
     from agentserve.server.app import ServerState
@@ -54,10 +54,9 @@ class Door:
         try:
             failure = self.state.engine_failure()
             if failure is not None:
-                raise APIError(503, f"the engine failed and this server is stopping: {failure}",
-                               type_="server_error", code="engine_failed")
+                raise engine_failed(failure)
             if scope["path"] in GENERATION_PATHS:
-                slot = scope[SLOT_KEY] = self._enter()
+                slot = scope[SLOT_KEY] = self.state.enter()
             body = await self._read_body(scope, receive)
         except (APIError, ClientGone) as exc:
             if slot is not None:
@@ -77,12 +76,6 @@ class Door:
         except Exception:
             self.state.metrics.errors.labels("500").inc()  # answered by Starlette's 500 handler
             raise
-
-    def _enter(self) -> Slot:
-        try:
-            return self.state.admission.enter()
-        except Overloaded as exc:
-            raise overloaded(exc) from exc
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.state.config.max_request_body_bytes
@@ -123,6 +116,11 @@ class Door:
 def overloaded(exc: Overloaded) -> APIError:
     return APIError(429, str(exc), type_="rate_limit_error", code="server_overloaded",
                     headers={"Retry-After": str(exc.retry_after_s)})
+
+
+def engine_failed(reason: str) -> APIError:
+    return APIError(503, f"the engine failed and this server is stopping: {reason}",
+                    type_="server_error", code="engine_failed")
 
 
 def _too_large(size: int, limit: int) -> APIError:

@@ -16,8 +16,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from agentserve.engine.detokenize import IncrementalDecoder
 from agentserve.engine.request import FinishReason, RequestOutput
-from agentserve.server.admission import Admission, Slot
-from agentserve.server.async_engine import AsyncEngine, EngineFailure, RequestStream
+from agentserve.server.admission import Slot
+from agentserve.server.async_engine import AsyncEngine, ClientGone, EngineFailure, RequestStream
+from agentserve.server.door import engine_failed
 from agentserve.server.errors import APIError
 from agentserve.server.metrics import Metrics
 
@@ -80,10 +81,6 @@ def usage(out: RequestOutput, session_id: str | None) -> dict[str, Any]:
 FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 
 
-class ClientGone(Exception):
-    """The client disconnected, or stopped reading a stream for too long."""
-
-
 class Generation:
     """One accepted request in the server, from `ServerState.start` to its end.
 
@@ -94,10 +91,9 @@ class Generation:
     reader stalled. It also gives back the request's queue slot."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, stream: RequestStream, slot: Slot,
-                 admission: Admission, metrics: Metrics, route: str,
-                 on_close: Callable[[Generation], None]) -> None:
+                 metrics: Metrics, route: str, on_close: Callable[[Generation], None]) -> None:
         self.engine, self.request_id, self.stream, self.slot = engine, request_id, stream, slot
-        self.admission, self.metrics, self.route = admission, metrics, route
+        self.metrics, self.route = metrics, route
         self._on_close = on_close
         self.finished = False
         self._closed = False
@@ -107,16 +103,13 @@ class Generation:
         its own fault, 503 when the engine failed) and ClientGone when its reader stalled."""
         last_time: float | None = None
         while not self.finished:
-            item = await self.stream.get()
+            item = await self.stream.get()  # raises ClientGone once its reader was dropped
             now = time.monotonic()
-            if self.stream.stalled:
-                raise ClientGone()
             if isinstance(item, EngineFailure):
                 self.finished = True  # the engine dropped it already
-                raise APIError(503, item.message, type_="server_error", code="engine_failed")
+                raise engine_failed(item.reason)
             if last_time is None:
-                self.slot.started()
-                self.admission.observe_wait(now - item.arrival_time)
+                self.slot.started(now - item.arrival_time)
             elif item.new_token_ids:
                 self.metrics.itl.observe(now - last_time)
             last_time = now
