@@ -10,6 +10,8 @@ import time
 import llguidance
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentserve.bench.tool_schemas import agent_tools
 from agentserve.engine.request import Guide, RequestId
@@ -58,6 +60,38 @@ def test_once_cache_evicts_least_recently_used_finished_entries():
         cache.get(key, value(key), submit=pending.append)
     assert len(cache) == 3 and len(pending) == 3  # over capacity: the finished ones went first
     assert all(not new for _, new in (cache.get(k, value(k)) for k in ("x", "y", "z")))
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.integers(1, 5),
+       ops=st.lists(st.tuples(st.sampled_from(["get", "get_pending", "finish"]), st.integers(0, 9)), max_size=60))
+def test_once_cache_matches_a_naive_lru(capacity: int, ops: list[tuple[str, int]]):
+    """Against a naive model: keys in use order; after a miss, the least recently used
+    finished keys go until at most `capacity` remain or only computing ones are left over."""
+    cache: OnceCache[int, int] = OnceCache(capacity)
+    pending: dict[int, object] = {}
+    order: list[int] = []  # the model, least recently used first
+    done: set[int] = set()
+    for op, key in ops:
+        if op == "finish":
+            if pending:
+                k = sorted(pending)[key % len(pending)]
+                pending.pop(k)()  # type: ignore[operator]
+                done.add(k)
+            continue
+        _, new = cache.get(key, lambda: 0, submit=(lambda fn, k=key: pending.__setitem__(k, fn))
+                           if op == "get_pending" else None)
+        assert new == (key not in order)
+        if key in order:
+            order.remove(key)
+        else:
+            done.add(key) if op == "get" else None
+            excess = len(order) + 1 - capacity
+            for k in [k for k in order if k in done][:max(0, excess)]:
+                order.remove(k)
+                done.discard(k)
+        order.append(key)
+        assert list(cache._jobs) == order
 
 
 def test_once_cache_shares_one_computation_between_concurrent_askers():

@@ -24,6 +24,13 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory_gib: floa
     return max(1, int(memory_gib * 2**30) // per_block)
 
 
+# A chunk this short (the new piece of a turn whose prefix is cached, a resumed request) rides the
+# decode group, one row per token, where decode attention reads the pool in place: beside running
+# decodes it adds rows to one attention call instead of a gather, a mask and an SDPA call of its
+# own in every layer (a 5-token chunk beside 4 decodes: +12 ms on a 38 ms step before, +5 after).
+SHORT_CHUNK = 16
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, seed: int = 0, guided: GuidedDecoding | None = None) -> None:
@@ -34,6 +41,7 @@ class ModelRunner:
         self.kv = PagedKV(model.config, num_blocks, block_size, dtype, device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.short_chunk = SHORT_CHUNK if model.decode_reads_in_place(device) else 1
 
     def _slots(self, block_ids: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
         blocks = torch.tensor(block_ids, dtype=torch.int64)
@@ -67,9 +75,9 @@ class ModelRunner:
         for c in batch.chunks:
             n, start = len(c.token_ids), c.start_position
             context = self._slots(c.block_ids, 0, start + n)
-            if n == 1:
-                decode_rows.append(len(token_ids))
-                decode_slots.append(context)
+            if n <= self.short_chunk:  # each row a query over its own causal prefix (KV is written first)
+                decode_rows.extend(range(len(token_ids), len(token_ids) + n))
+                decode_slots.extend(context[: start + r + 1] for r in range(n))
             else:
                 layouts.append(ChunkLayout(len(token_ids), n, start, context.to(self.device)))
             token_ids.extend(c.token_ids)

@@ -195,6 +195,12 @@ class Transformer:
             out[decode.rows] = self._decode_attention(q[decode.rows], decode, k_cache, v_cache)
         return layer.o(out.view(n, -1))
 
+    def decode_reads_in_place(self, device: torch.device) -> bool:
+        """Whether decode attention reads K/V from the pool in place (the C++ kernel), so a row
+        costs its own context and nothing more; the SDPA path gathers every row's context."""
+        return (self.kernels is not None and device.type == "cpu"
+                and self.kernels.supports(self.config.head_dim))
+
     def _decode_attention(self, q: torch.Tensor, d: DecodeGroup, k_cache: torch.Tensor,
                           v_cache: torch.Tensor) -> torch.Tensor:
         """One query per row over its padded context: the C++ kernel where it was built (it
@@ -205,7 +211,7 @@ class Transformer:
         kernel then runs B * kv_heads blocks of `group` rows. With one query row per head it ran
         B * heads blocks of a single row and was ~20x slower; fp32 batched matmuls were ~1.5x
         slower, mostly converting the gathered KV."""
-        if self.kernels is not None and k_cache.device.type == "cpu" and self.kernels.supports(k_cache.shape[2]):
+        if self.decode_reads_in_place(k_cache.device):
             return self.kernels.decode_attention(q, k_cache, v_cache, d.slots, d.lengths, self.scale)
         b, ctx = d.slots.shape
         kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
