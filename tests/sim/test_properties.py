@@ -72,7 +72,13 @@ def test_belady_never_reuses_less_than_lru(spec, extra_blocks, start_list, mode)
     assert belady.summary["reused_tokens"] >= lru.summary["reused_tokens"]
     if cost is UNIT_STEP:
         assert [r.arrival_s for r in lru.records] == [r.arrival_s for r in belady.records]
-        assert lru.summary["eligible_tokens"] == belady.summary["eligible_tokens"]
+    none = simulate(plan, starts, SimConfig(capacity, "none", **cfg), cost)
+    # one denominator for every policy, whatever their timing (sim/eligible.py)
+    assert lru.summary["eligible_tokens"] == belady.summary["eligible_tokens"] == none.summary["eligible_tokens"]
+    assert none.summary["recomputed_tokens"] == none.summary["eligible_tokens"]
+    for res in (lru, belady):
+        assert res.summary["recomputed_tokens"] >= 0
+        assert res.summary["reuse_ratio"] <= 1.0
 
 
 def scheduler_with_decodes(prompts, outs, block_size, num_blocks, caching, virtual=True):

@@ -46,8 +46,8 @@ def test_belady_keeps_a_shared_block_a_queued_request_needs():
     # All four sessions arrive at t=0 and queue: S0 [1,2] runs 0-1, S1 [3,4] 1-2, R [8,9] 2-3,
     # Q [1,2,6] 3-4; S1's second turn [3,4,5] comes at its trace time 10. At t=2 R must evict
     # X=[1,2] or Y=[3,4]. Q's nominal time (0) is past, but Q is queued: X is needed now, Y at
-    # 10, so Belady evicts Y and Q hits X. LRU evicts X (freed first) and reuses nothing (Q
-    # arrived before X was computed: its eligible prefix is 0 unless it hits).
+    # 10, so Belady evicts Y and Q hits X. LRU evicts X (freed first) and reuses nothing; Q's
+    # eligible prefix is X for both (S0 comes first in the workload's own order).
     def trace(sid: str, turns: tuple[Turn, ...]) -> AgentSession:
         return AgentSession(sid, 1, turns, Timing.TRACE, 0.0)
 
@@ -62,7 +62,8 @@ def test_belady_keeps_a_shared_block_a_queued_request_needs():
     assert [(r.session, r.arrival_s, r.done_s) for r in belady.records] == [
         (0, 0.0, 1.0), (1, 0.0, 2.0), (2, 0.0, 3.0), (3, 0.0, 4.0), (1, 10.0, 11.0)]
     assert reused(belady) == [(0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 8), (2, 0, 0, 0), (3, 0, 8, 8)]
-    assert reused(lru) == [(0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 8), (2, 0, 0, 0), (3, 0, 0, 0)]
+    assert reused(lru) == [(0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 8), (2, 0, 0, 0), (3, 0, 0, 8)]
+    assert lru.summary["recomputed_tokens"] == 16 and belady.summary["recomputed_tokens"] == 8
 
 
 def test_arrivals_follow_think_time_after_the_response(three_sessions):
@@ -144,3 +145,25 @@ def test_routers(cc_plan, router):
         assert all(len(v) == 1 for v in replicas_of.values())
     else:
         assert len(set().union(*replicas_of.values())) > 1
+
+
+def test_eligible_comes_from_the_workload_in_zero_service_order():
+    # Block size 4. A (start 0): turn 0 [1,2], and 5 s of think time after the sub-agent it
+    # starts 1 s after turn 0 and awaits, turn 1 [1,2,3]. The sub-agent computes [7,8]; B
+    # (start 3) sends [7,8,9]. Zero-service order: A0 (0), sub-agent (1), B (3), A1 (6). B's
+    # eligible prefix is the sub-agent's 2 blocks, A1's its own 2, whatever a policy's timing.
+    from agentserve.sim.eligible import eligible_blocks, planned_times
+    from agentserve.workload.model import SubAgent
+
+    sub = AgentSession("S", 1, (Turn(0.0, 0.0, 8, 1, 0, (7, 8)),), Timing.THINK, None)
+    a = AgentSession("A", 1, (Turn(0.0, 0.0, 12, 1, 0, (1, 2), subagents=(SubAgent(1.0, True, sub),)),
+                              Turn(0.0, 5.0, 16, 1, 2, (3,))), Timing.THINK, None)
+    b = AgentSession("B", 1, (Turn(0.0, 0.0, 16, 1, 0, (7, 8, 9)),), Timing.THINK, None)
+    plan = compile_workload(Workload("w", 4, (a, b)), output_reuse=False)
+    starts = (0.0, 3.0)
+    assert planned_times(plan, starts) == [[0.0, 6.0], [1.0], [3.0]]
+    assert [list(e) for e in eligible_blocks(plan, starts)] == [[0, 2], [0], [2]]
+    for policy in ("none", "lru", "belady"):
+        res = simulate(plan, starts, SimConfig(64, policy), UNIT_STEP)
+        assert res.summary["eligible_tokens"] == 16
+        assert res.summary["recomputed_tokens"] == (16 if policy == "none" else 0)

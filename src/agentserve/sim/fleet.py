@@ -24,6 +24,7 @@ from agentserve.engine.scheduler import Scheduler
 from agentserve.kv.block_pool import BlockPool
 from agentserve.kv.hashing import ExtraKeys
 from agentserve.sim.cost import CostModel
+from agentserve.sim.eligible import eligible_blocks
 from agentserve.sim.metrics import RequestRecord, summarize
 from agentserve.sim.oracle import NextUse
 from agentserve.sim.plan import Plan
@@ -122,7 +123,7 @@ class Fleet:
         self.records: list[RequestRecord] = []
         self.jct: list[float] = []
         self.num_skipped = 0
-        self.seen = bytearray(plan.num_hashes)  # block ids computed so far (an infinite cache)
+        self.eligible = eligible_blocks(plan, starts)  # per chain, per turn: from the workload alone
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = itertools.count()
         self._prev: dict[int, list[int]] = {}  # chain -> block ids of its latest turn
@@ -177,10 +178,7 @@ class Fleet:
             self.num_skipped += 1
             self._turn_done(c, j, now, full)
             return
-        max_blocks = (turn.prompt_tokens - 1) // bs
-        e = min(turn.shared, max_blocks)
-        while e < max_blocks and self.seen[full[e]]:
-            e += 1
+        e = self.eligible[c][j]
         req = Request(RequestId(f"{c}.{j}"), VirtualTokens(turn.prompt_tokens), turn.prompt_tokens,
                       SamplingParams(temperature=0.0, max_tokens=turn.output_tokens, ignore_eos=True),
                       _KEYS, now, block_hashes=full)
@@ -200,16 +198,13 @@ class Fleet:
         chain = self.plan.chains[c]
         self.records.append(RequestRecord(
             chain.session, c, j, r, req.arrival_time, o.first_token_time or now, now, o.num_prompt_tokens,
-            o.num_reused_tokens, max(eligible, o.num_reused_tokens), o.num_recomputed_tokens,
+            o.num_reused_tokens, eligible, o.num_recomputed_tokens,
             o.num_generated_tokens, req.num_preemptions))
         self._turn_done(c, j, now, req.block_hashes)
 
     def _turn_done(self, c: int, j: int, now: float, full: list[int]) -> None:
         chain = self.plan.chains[c]
         turn = chain.turns[j]
-        seen = self.seen
-        for u in full[turn.shared :]:
-            seen[u] = 1
         self.progress.finished(c, j, now)
         for delay, awaited, child in turn.subagents:
             self._push(now + delay, _ARRIVAL, child, 0)

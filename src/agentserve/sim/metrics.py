@@ -17,15 +17,21 @@ class RequestRecord:
     done_s: float
     prompt_tokens: int
     reused_tokens: int  # prompt tokens served from the prefix cache
-    eligible_tokens: int  # prompt tokens an infinite cache would have served (computed before)
+    eligible_tokens: int  # prompt tokens an infinite cache could serve, from the workload alone (sim/eligible.py)
     preempt_recomputed_tokens: int  # computed again after a preemption
     generated_tokens: int
     preemptions: int
 
     @property
+    def eligible_reused_tokens(self) -> int:
+        """Reused within the eligible prefix: a policy cannot score more than the workload offers
+        (a hit on a block the plan's order has not computed yet is not credited)."""
+        return min(self.reused_tokens, self.eligible_tokens)
+
+    @property
     def rebuilt_tokens(self) -> int:
-        """Computed again: a prefix computed before but not found, plus preemption recompute."""
-        return self.eligible_tokens - self.reused_tokens + self.preempt_recomputed_tokens
+        """Computed again: eligible but not found, plus preemption recompute."""
+        return self.eligible_tokens - self.eligible_reused_tokens + self.preempt_recomputed_tokens
 
     @property
     def prefill_tokens(self) -> int:
@@ -47,6 +53,7 @@ def summarize(records: Sequence[RequestRecord], session_jct: Sequence[float], ma
               busy_s: float, num_replicas: int) -> dict[str, float | int]:
     prompt = sum(r.prompt_tokens for r in records)
     reused = sum(r.reused_tokens for r in records)
+    eligible_reused = sum(r.eligible_reused_tokens for r in records)
     eligible = sum(r.eligible_tokens for r in records)
     rebuilt = sum(r.rebuilt_tokens for r in records)
     prefill = sum(r.prefill_tokens for r in records)
@@ -57,7 +64,7 @@ def summarize(records: Sequence[RequestRecord], session_jct: Sequence[float], ma
         requests=len(records), sessions=len(session_jct), prompt_tokens=prompt, reused_tokens=reused,
         eligible_tokens=eligible, recomputed_tokens=rebuilt, prefill_tokens=prefill,
         generated_tokens=generated, preemptions=sum(r.preemptions for r in records),
-        reuse_ratio=reused / eligible if eligible else 0.0,
+        reuse_ratio=eligible_reused / eligible if eligible else 0.0,
         rebuild_tax=rebuilt / prefill if prefill else 0.0,
         jct_p50_s=percentile(session_jct, 50), jct_p95_s=percentile(session_jct, 95),
         jct_p99_s=percentile(session_jct, 99),
