@@ -167,3 +167,38 @@ def test_eligible_comes_from_the_workload_in_zero_service_order():
         res = simulate(plan, starts, SimConfig(64, policy), UNIT_STEP)
         assert res.summary["eligible_tokens"] == 16
         assert res.summary["recomputed_tokens"] == (16 if policy == "none" else 0)
+
+
+def _altered_after(plan, base, t_cut: float):
+    """The same plan, with every turn that arrived at or after t_cut in `base` given a longer
+    think time and a longer reply: the future changes, the past does not."""
+    from dataclasses import replace
+
+    late = {(r.chain, r.turn) for r in base.records if r.arrival_s >= t_cut}
+    chains = tuple(replace(c, turns=tuple(replace(t, think_s=t.think_s * 3 + 7, output_tokens=t.output_tokens + 50)
+                                          if (c.index, j) in late else t for j, t in enumerate(c.turns)))
+                   for c in plan.chains)
+    return replace(plan, chains=chains)
+
+
+@pytest.mark.parametrize("events", ["none", "terminal"])
+def test_agent_policy_never_reads_the_future(events):
+    """Alter the trace after time T: every request that finished before T is served exactly
+    as before (same times, same hits), so no decision before T used what came after."""
+    plan = compile_workload(read_claude_code([FIXTURES / "claude-code"]))
+    starts = session_starts(plan, Arrival.POISSON, 1 / 200, 0)
+    cost = load_cost_model("h200-llama3-8b")
+    cap = int(1.05 * plan.max_request_tokens)  # under pressure: evictions decide hits
+    base = simulate(plan, starts, SimConfig(cap, "agent", events=events), cost)
+    t_cut = sorted(r.done_s for r in base.records)[len(base.records) // 2]
+    later = simulate(_altered_after(plan, base, t_cut), starts, SimConfig(cap, "agent", events=events), cost)
+
+    def before(res):
+        return sorted((r.chain, r.turn, r.arrival_s, r.done_s, r.reused_tokens)
+                      for r in res.records if r.done_s < t_cut)
+
+    assert before(base) and before(base) == before(later)
+    assert [r for r in later.records if r.done_s >= t_cut] != [r for r in base.records if r.done_s >= t_cut]
+    assert base.summary["reused_tokens"] > 0
+    lru = simulate(plan, starts, SimConfig(cap, "lru"), cost)
+    assert base.summary["eligible_tokens"] == lru.summary["eligible_tokens"]

@@ -52,6 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-output-reuse", action="store_true", help="generated blocks never shared")
     p.add_argument("--no-decode-runs", action="store_true", help="step decodes one by one (slow)")
     p.add_argument("--skip-oversized", action="store_true", help="skip requests larger than the pool")
+    p.add_argument("--events", default="none", choices=["none", "terminal"],
+                   help="policy agent: lifecycle events a harness sends (terminal: trajectory_finished)")
     p.add_argument("--out", default=None, help="write results.json, summary.md, plots, manifest.json")
     p.add_argument("--fit", action="store_true", help="print the synthetic config fitted to TRACE")
     p.set_defaults(func=run)
@@ -91,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
                   f"{len(workload.skipped)} records skipped; loaded in {load_s:.1f} s")
     caps = _capacities(args, plan, cost)
     base = SimConfig(caps[0], "lru", args.replicas, args.router, args.max_num_batched_tokens,
-                     args.max_num_seqs, not args.no_decode_runs, args.skip_oversized)
+                     args.max_num_seqs, not args.no_decode_runs, args.skip_oversized, args.events)
     spec = SweepSpec(tuple(args.policy.split(",")), caps, seeds, base, Arrival(args.arrival), args.session_rate)
     rows = []
     for row, _ in run_sweep(plan, spec, cost, lambda m: console.print(f"[dim]{m}[/]")):

@@ -27,7 +27,7 @@ def planned_times(plan: Plan, starts: Sequence[float]) -> list[list[float]]:
     def chain(c: int, origin: float) -> float:
         """Fills times[c]; returns the time of its last response (its last arrival)."""
         ch = plan.chains[c]
-        t = origin
+        t = base = origin
         out = times[c]
         for j, turn in enumerate(ch.turns):
             if j:

@@ -33,10 +33,17 @@ from agentserve.sim.progress import Progress
 from agentserve.sim.replica import Replica, ReplicaStats
 from agentserve.sim.router import make_router
 from agentserve.sim.tokens import VirtualTokens
+from agentserve.trajectory.registry import State, TrajectoryKey
+from agentserve.trajectory.residency import Residency
+from agentserve.workload.model import StopReason
 from agentserve.workload.model import Timing
 
 _STEP_END, _ARRIVAL = 0, 1
 _KEYS = ExtraKeys("sim")  # one model, one tenant: block ids alone decide sharing
+
+
+def _key(chain: int) -> TrajectoryKey:
+    return TrajectoryKey("sim", str(chain))
 
 
 class SimError(ValueError):
@@ -53,8 +60,11 @@ class SimConfig:
     max_num_seqs: int = 256
     decode_runs: bool = True  # take pure decode steps in runs (same records, much faster)
     skip_oversized: bool = False  # skip (and count) requests larger than the pool, else refuse
+    events: str = "none"  # lifecycle events a harness sends the `agent` policy: none | terminal
 
     def __post_init__(self) -> None:
+        if self.events not in ("none", "terminal"):
+            raise SimError(f"events must be none or terminal, got {self.events!r}")
         get_policy(self.policy)
         for name in ("capacity_tokens", "num_replicas", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
@@ -114,9 +124,13 @@ class Fleet:
                                 enable_prefix_caching=spec.prefix_caching)
         self.num_blocks = max(1, config.capacity_tokens // bs)
 
+        self.residency: list[Residency | None] = [None] * config.num_replicas
+
         def pool(i: int) -> BlockPool:
-            ctx = PolicyContext(oracle, self.progress, lambda: self.now, i)
-            return BlockPool(self.num_blocks, bs, spec.eviction(ctx) if spec.eviction else None)
+            ctx = PolicyContext(oracle, self.progress, lambda: self.now, i, self.num_blocks)
+            eviction = spec.eviction(ctx) if spec.eviction else None
+            self.residency[i] = getattr(eviction, "residency", None)
+            return BlockPool(self.num_blocks, bs, eviction)
 
         self.replicas = [Replica(i, Scheduler(sched, pool(i)), cost, config.decode_runs)
                          for i in range(config.num_replicas)]
@@ -144,9 +158,15 @@ class Fleet:
         for ci, start in zip(self.plan.sessions, self.starts):
             self._origin[ci] = start
             self._push(start, _ARRIVAL, ci, 0)
+        residencies = [x for x in self.residency if x is not None]
+        next_expiry = 0.0
         while self._heap:
             t, kind, _, a, b = heapq.heappop(self._heap)
             self.now = t
+            if residencies and t >= next_expiry:
+                for x in residencies:
+                    x.expire()
+                next_expiry = t + 10.0
             if kind == _ARRIVAL:
                 self._submit(a, b, t)
                 continue
@@ -183,6 +203,10 @@ class Fleet:
                       SamplingParams(temperature=0.0, max_tokens=turn.output_tokens, ignore_eos=True),
                       _KEYS, now, block_hashes=full)
         r = self.router.pick(chain.session, self.replicas)
+        residency = self.residency[r]
+        if residency is not None:  # what a server sees: a request of this trajectory
+            parent = self._parent.get(c)
+            residency.on_request(_key(c), _key(parent[0]) if parent is not None and j == 0 else None)
         rep = self.replicas[r]
         end = rep.sync(now)
         if end is not None:
@@ -205,6 +229,7 @@ class Fleet:
     def _turn_done(self, c: int, j: int, now: float, full: list[int]) -> None:
         chain = self.plan.chains[c]
         turn = chain.turns[j]
+        self._responded(c, j, full)
         self.progress.finished(c, j, now)
         for delay, awaited, child in turn.subagents:
             self._push(now + delay, _ARRIVAL, child, 0)
@@ -219,6 +244,27 @@ class Fleet:
         if j + 1 == len(chain.turns):
             self._prev.pop(c, None)
             self._chain_done(c, now)
+
+    def _responded(self, c: int, j: int, full: list[int]) -> None:
+        """Tell the replica's residency policy what a server knows at a response: how it ended
+        (tool calls, the end of the turn, or sub-agents it waits for) and the blocks a next turn
+        would resend; with `--events terminal` also that the trajectory is done."""
+        r = self.progress.replica[c]
+        residency = self.residency[r] if r >= 0 else None
+        if residency is None:
+            return
+        chain = self.plan.chains[c]
+        if j + 1 == len(chain.turns) and self.config.events == "terminal":
+            residency.on_end(_key(c), State.FINISHED)
+            return
+        turn = chain.turns[j]
+        if any(awaited for _, awaited, _ in turn.subagents):
+            state, cls = State.PAUSED_TOOL, "subagent"
+        elif turn.stop is StopReason.END_TURN:
+            state, cls = State.WAITING_HUMAN, "end_turn"
+        else:
+            state, cls = State.PAUSED_TOOL, turn.stop.value or "none"
+        residency.on_response(_key(c), full, state, cls)
 
     def _chain_done(self, c: int, now: float) -> None:
         parent = self._parent.get(c)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from agentserve.workload.common import common_prefix
-from agentserve.workload.model import AgentSession, Timing, Workload
+from agentserve.workload.model import AgentSession, StopReason, Timing, Workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +29,7 @@ class TurnPlan:
     shared: int  # leading blocks equal to the previous turn's computed blocks
     new: array  # dense ids of the following blocks: prompt blocks, then generated ones
     subagents: tuple[tuple[float, bool, int], ...]  # (delay_s, awaited, chain index)
+    stop: StopReason = StopReason.UNKNOWN  # how this turn's response ended (a server knows it then)
 
     @property
     def num_blocks(self) -> int:
@@ -115,7 +116,8 @@ class _Compiler:
             subs = tuple((a.delay_s * self.time_scale, a.awaited, self.chain(a.session, session, ids))
                          for a in t.subagents)
             turns.append(TurnPlan(t.prompt_tokens, t.output_tokens, t.think_s * self.time_scale,
-                                  t.offset_s * self.time_scale, shared, array("q", full[shared:]), subs))
+                                  t.offset_s * self.time_scale, shared, array("q", full[shared:]), subs,
+                                  t.stop))
             prev = full
         start = None if s.start_s is None else s.start_s * self.time_scale
         self.chains[index] = ChainPlan(index, session, s.session_id, s.timing, start, tuple(turns))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from agentserve.kv.block_pool import EvictionPolicy, LruEviction
 from agentserve.sim.oracle import BeladyEviction, Forecast, NextUse
 from agentserve.sim.progress import Progress
+from agentserve.trajectory.residency import AgentEviction, Residency
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +20,7 @@ class PolicyContext:
     progress: Progress  # where each chain stands (the simulator updates it)
     clock: Callable[[], float]
     replica: int  # the replica whose pool this policy serves
+    num_blocks: int  # of that pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +37,8 @@ POLICIES: tuple[PolicySpec, ...] = (
                True, lambda ctx: LruEviction()),
     PolicySpec("belady", "offline oracle: evict the block whose next use is farthest away",
                True, lambda ctx: BeladyEviction(Forecast(ctx.oracle(), ctx.progress, ctx.replica), ctx.clock)),
+    PolicySpec("agent", "agent-aware residency: paused trajectories kept by expected value (trajectory/)",
+               True, lambda ctx: AgentEviction(Residency(ctx.num_blocks, ctx.clock))),
 )
 
 
