@@ -48,20 +48,20 @@ def planned_times(plan: Plan, starts: Sequence[float]) -> list[list[float]]:
     return times
 
 
-def eligible_blocks(plan: Plan, starts: Sequence[float], max_blocks: int | None = None) -> list[array]:
+def eligible_blocks(plan: Plan, starts: Sequence[float]) -> list[array]:
     """Per chain, per turn: the number of eligible prompt blocks (module docstring). A turn
-    larger than max_blocks (skipped by the simulator) still computes its blocks here, as the
+    too large for the pool (skipped by the simulator) still computes its blocks here, as the
     simulator marks them too."""
     times = planned_times(plan, starts)
+    # within a chain planned times never decrease, so each chain's turns come in order
     order = sorted((t, c, j) for c, ts in enumerate(times) for j, t in enumerate(ts))
+    computed = [plan.computed_hashes(c) for c in range(len(plan.chains))]
     seen = bytearray(plan.num_hashes)
     bs = plan.block_size
     out = [array("l", [0]) * len(ch.turns) for ch in plan.chains]
-    prev: dict[int, list[int]] = {}
     for _, c, j in order:
         turn = plan.chains[c].turns[j]
-        full = prev.get(c, [])[: turn.shared] + turn.new.tolist()
-        prev[c] = full
+        full = next(computed[c])
         limit = (turn.prompt_tokens - 1) // bs
         e = min(turn.shared, limit)
         while e < limit and seen[full[e]]:

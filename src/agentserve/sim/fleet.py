@@ -35,11 +35,11 @@ from agentserve.sim.router import make_router
 from agentserve.sim.tokens import VirtualTokens
 from agentserve.trajectory.registry import State, TrajectoryKey
 from agentserve.trajectory.residency import Residency
-from agentserve.workload.model import StopReason
-from agentserve.workload.model import Timing
+from agentserve.workload.model import StopReason, Timing
 
 _STEP_END, _ARRIVAL = 0, 1
 _KEYS = ExtraKeys("sim")  # one model, one tenant: block ids alone decide sharing
+_EXPIRE_EVERY_S = 10.0  # how often residency policies drop trajectories idle too long
 
 
 def _key(chain: int) -> TrajectoryKey:
@@ -166,7 +166,7 @@ class Fleet:
             if residencies and t >= next_expiry:
                 for x in residencies:
                     x.expire()
-                next_expiry = t + 10.0
+                next_expiry = t + _EXPIRE_EVERY_S
             if kind == _ARRIVAL:
                 self._submit(a, b, t)
                 continue

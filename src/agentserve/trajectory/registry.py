@@ -27,7 +27,6 @@ class State(enum.Enum):
 
 
 PAUSED = (State.PAUSED_TOOL, State.WAITING_HUMAN)
-DONE = (State.FINISHED, State.CANCELLED)
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,7 +65,6 @@ class Residency:
     holders: dict[BlockHash, int] = field(default_factory=dict)  # protected trajectories holding it
     protected: dict[TrajectoryKey, Trajectory] = field(default_factory=dict)
     listener: Callable[[Sequence[BlockHash]], None] | None = None  # hashes whose holders changed
-    advice: dict[TrajectoryKey, CacheAdvice] = field(default_factory=dict)
     _churn_rate: float = 0.0  # blocks freed per second, smoothed
     _churn_t: float | None = None
     _protected_blocks: int = 0
@@ -94,7 +93,6 @@ class Residency:
             return None
         self._protect(t)
         advice = self._advise(t, now)
-        self.advice[key] = advice
         self._enforce_budget(now)
         return advice
 
@@ -257,15 +255,15 @@ class AgentEviction:
         valuable holder, i.e. once every less valuable holder has been passed."""
         res = self.residency
         now = res.clock()
-        left = dict(res.holders)
+        holders = res.holders
+        passed: dict[BlockHash, int] = {}  # less valuable holders already passed, per shared hash
         out: list[BlockId] = []
         for t in sorted(res.protected.values(), key=lambda t: res.value(t, now)):
             for h in reversed(t.hashes):
-                k = left.get(h, 0)
-                if k > 1:
-                    left[h] = k - 1
+                k = passed.get(h, 0) + 1
+                if k < holders[h]:
+                    passed[h] = k
                     continue
-                left.pop(h, None)
                 b = self._block.get(h)
                 if b is not None and b in self._held:
                     self._held.discard(b)
@@ -273,11 +271,8 @@ class AgentEviction:
                     if len(out) == n:
                         self.num_protected_evictions += n
                         return out
-        # blocks whose holders are gone but still marked (cannot happen; keeps pop total)
-        while self._held and len(out) < n:
-            out.append(self._held.pop())
-        self.num_protected_evictions += len(out)
-        return out
+        # every held block's hash has a protected holder, so the walk above reaches all of them
+        raise AssertionError(f"asked for {n} held blocks, found {len(out)}")
 
     def __len__(self) -> int:
         return len(self._lru) + len(self._held)
