@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,8 @@ from agentserve.engine.engine import Engine
 from agentserve.engine.request import FinishReason, RequestId, RequestOutput, SamplingParams
 from agentserve.engine.scheduler import Scheduler
 from agentserve.kv.block_pool import BlockPool
+from agentserve.kv.tombstones import Tombstones
+from agentserve.trajectory.residency import Residency, ResidencyConfig, build_residency
 
 Prompt = str | Sequence[int]
 log = logging.getLogger(__name__)
@@ -61,9 +64,15 @@ class LLM:
         seed: int = 0,
         cache_root: Path | None = None,
         cpu_kernels: bool = True,
+        residency: str = "off",
+        residency_config: ResidencyConfig | None = None,
     ) -> None:
         """cpu_kernels: on CPU, build and use the C++ decode-attention kernel (model/csrc/)
-        where a compiler is available; False keeps torch's SDPA."""
+        where a compiler is available; False keeps torch's SDPA. residency: off | shadow | on
+        (trajectory/residency.py; needs the prefix cache)."""
+        if residency != "off" and not enable_prefix_caching:
+            raise ValueError(f"residency {residency!r} needs the prefix cache; drop --no-prefix-caching "
+                             "or use --residency off")
         from agentserve.model.build import build_runner
         from agentserve.model.loader import load_model_config, load_tokenizer, resolve_model_dir
 
@@ -88,7 +97,15 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             eos_token_ids=self.model_config.eos_token_ids,
         )
-        pool = BlockPool(built.num_blocks, block_size)
+        self.residency_mode = residency
+        clock = time.monotonic  # the engine's clock too
+        self.residency: Residency | None
+        self.residency, eviction = build_residency(residency, built.num_blocks, block_size, clock,
+                                                   residency_config)
+        tombstones = None if self.residency is None else Tombstones(clock, capacity=max(4 * built.num_blocks, 1024))
+        pool = BlockPool(built.num_blocks, block_size, eviction, tombstones)
+        if self.residency is not None:
+            self.residency.attach(pool)
         self.engine = Engine(
             Scheduler(self.scheduler_config, pool), built.runner,
             model_id=self.model_config.name, vocab_size=self.model_config.vocab_size,

@@ -86,11 +86,12 @@ def weights_of(model: transformers.PreTrainedModel, dtype: torch.dtype) -> dict[
 def tiny_engine(arch: str = "qwen2", *, block_size: int = 4, num_blocks: int = 64,
                 max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
                 enable_prefix_caching: bool = True, dtype: torch.dtype = torch.float32,
-                kernels: CpuKernels | KernelSpy | None = None, sharp_attention: bool = True):
+                kernels: CpuKernels | KernelSpy | None = None, sharp_attention: bool = True,
+                eviction=None):
     """An Engine over a tiny random model: (engine, hf_model). kernels: the C++ decode
     attention (or a spy on it); None runs decode attention through torch's SDPA. The model's
     attention is sharp by default: engine tests compare greedy tokens, and only then do the
-    tokens depend on what attention computed."""
+    tokens depend on what attention computed. eviction: the pool's EvictionPolicy (LRU if None)."""
     from agentserve.config import SchedulerConfig
     from agentserve.engine.engine import Engine
     from agentserve.engine.scheduler import Scheduler
@@ -106,7 +107,7 @@ def tiny_engine(arch: str = "qwen2", *, block_size: int = 4, num_blocks: int = 6
         SchedulerConfig(max_model_len=cfg.max_position_embeddings, block_size=block_size,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         enable_prefix_caching=enable_prefix_caching, eos_token_ids=()),
-        BlockPool(num_blocks, block_size))
+        BlockPool(num_blocks, block_size, eviction))
     return Engine(sched, runner, model_id=cfg.name, vocab_size=cfg.vocab_size), hf
 
 

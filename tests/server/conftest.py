@@ -37,15 +37,20 @@ async def client_for(llm: LLM) -> AsyncIterator[tuple[httpx.AsyncClient, ServerS
         llm.engine.scheduler.pool.check()
 
 
-@pytest.fixture
-def run_with_client(smol_llm):
-    """run_with_client(async_fn) runs async_fn(client, state) against a fresh app."""
+def runner_for(llm: LLM):
+    """runner(async_fn) runs async_fn(client, state) against a fresh app on `llm`."""
     def runner(fn):
         async def main():
-            async with client_for(smol_llm) as (client, state):
+            async with client_for(llm) as (client, state):
                 return await fn(client, state)
         return asyncio.run(main())
     return runner
+
+
+@pytest.fixture
+def run_with_client(smol_llm):
+    """run_with_client(async_fn) runs async_fn(client, state) against a fresh app."""
+    return runner_for(smol_llm)
 
 
 @contextlib.contextmanager

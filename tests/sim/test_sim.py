@@ -170,35 +170,52 @@ def test_eligible_comes_from_the_workload_in_zero_service_order():
 
 
 def _altered_after(plan, base, t_cut: float):
-    """The same plan, with every turn that arrived at or after t_cut in `base` given a longer
+    """The same plan, with every turn that arrived at or after t_cut in `base` (its records) given a longer
     think time and a longer reply: the future changes, the past does not."""
     from dataclasses import replace
 
-    late = {(r.chain, r.turn) for r in base.records if r.arrival_s >= t_cut}
+    late = {(r.chain, r.turn) for r in base if r.arrival_s >= t_cut}
     chains = tuple(replace(c, turns=tuple(replace(t, think_s=t.think_s * 3 + 7, output_tokens=t.output_tokens + 50)
                                           if (c.index, j) in late else t for j, t in enumerate(c.turns)))
                    for c in plan.chains)
     return replace(plan, chains=chains)
 
 
+def _logged(plan, starts, config, cost):
+    """Run with the agent policy's decision log on: (result records, every advice and eviction
+    in order, with its time)."""
+    fleet = Fleet(plan, starts, config, cost, lambda: NextUse(plan, starts))
+    (residency,) = fleet.residency
+    residency.log = []
+    fleet.run()
+    return fleet.records, residency.log
+
+
 @pytest.mark.parametrize("events", ["none", "terminal"])
 def test_agent_policy_never_reads_the_future(events):
-    """Alter the trace after time T: every request that finished before T is served exactly
-    as before (same times, same hits), so no decision before T used what came after."""
+    """Alter the trace after time T: every decision the policy took before T (each pause's
+    advice with its P(return), each eviction with its blocks) is the same, and every request
+    that finished before T is served exactly as before. A policy that peeked at a pause's
+    real gap (a return after T) would change its advice before T."""
     plan = compile_workload(read_claude_code([FIXTURES / "claude-code"]))
     starts = session_starts(plan, Arrival.POISSON, 1 / 200, 0)
     cost = load_cost_model("h200-llama3-8b")
     cap = int(1.05 * plan.max_request_tokens)  # under pressure: evictions decide hits
-    base = simulate(plan, starts, SimConfig(cap, "agent", events=events), cost)
-    t_cut = sorted(r.done_s for r in base.records)[len(base.records) // 2]
-    later = simulate(_altered_after(plan, base, t_cut), starts, SimConfig(cap, "agent", events=events), cost)
+    config = SimConfig(cap, "agent", events=events)
+    base, base_log = _logged(plan, starts, config, cost)
+    t_cut = sorted(r.done_s for r in base)[len(base) // 2]
 
-    def before(res):
+    later, later_log = _logged(_altered_after(plan, base, t_cut), starts, config, cost)
+
+    def before(records):
         return sorted((r.chain, r.turn, r.arrival_s, r.done_s, r.reused_tokens)
-                      for r in res.records if r.done_s < t_cut)
+                      for r in records if r.done_s < t_cut)
 
     assert before(base) and before(base) == before(later)
-    assert [r for r in later.records if r.done_s >= t_cut] != [r for r in base.records if r.done_s >= t_cut]
-    assert base.summary["reused_tokens"] > 0
-    lru = simulate(plan, starts, SimConfig(cap, "lru"), cost)
-    assert base.summary["eligible_tokens"] == lru.summary["eligible_tokens"]
+    early = [d for d in base_log if d[0] < t_cut]
+    assert sum(d[1] == "advice" for d in early) > 10 and sum(d[1] == "evict" for d in early) > 10
+    assert early == [d for d in later_log if d[0] < t_cut]
+    assert base_log != later_log and later != base
+    assert sum(r.reused_tokens for r in base) > 0
+    lru = simulate(plan, starts, SimConfig(cap, "lru"), cost)  # one denominator for every policy
+    assert sum(r.eligible_tokens for r in base) == lru.summary["eligible_tokens"]

@@ -61,3 +61,25 @@ def test_unseen_classes_use_the_prior_and_classes_are_bounded():
         e.observe_return(f"tool{i}", 1.0)
     assert len(e.stats()) == 4 and OTHER in e.stats()
     assert e.stats()[OTHER]["returns"] == 98  # "new", tool0 and tool1 hold the named slots
+
+
+def test_pauses_still_open_count_as_censored_at_their_wait():
+    """Life table with open pauses: 10 returns at 1 s and 90 pauses still open after 100 s
+    is the same estimate as 90 censored at 100 s."""
+    from agentserve.trajectory.estimator import Prior, ReturnEstimator
+
+    def fresh():
+        return ReturnEstimator(prior=Prior(weight=1e-9))
+
+    a, b = fresh(), fresh()
+    for _ in range(10):
+        a.observe_return("t", 1.0)
+        b.observe_return("t", 1.0)
+    for _ in range(90):
+        b.observe_censored("t", 100.0)
+    before = a.p_return_within("t", 0.0, 30.0)
+    a.set_open({"t": [100.0] * 90})
+    assert abs(a.p_return_within("t", 0.0, 30.0) - b.p_return_within("t", 0.0, 30.0)) < 1e-9
+    assert a.p_return_within("t", 0.0, 30.0) < 0.2 < before  # most of them are still out
+    a.set_open({})  # they closed (elsewhere): back to the returns alone
+    assert abs(a.p_return_within("t", 0.0, 30.0) - before) < 1e-9

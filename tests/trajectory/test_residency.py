@@ -4,6 +4,9 @@ free (a hypothesis run against a naive count of the pool)."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +33,9 @@ def setup(num_blocks: int = 16, **cfg):
     estimator = ReturnEstimator(prior=Prior(median_s=10.0, sigma=1.0, never=0.0, weight=4.0))
     res = Residency(num_blocks, clock, ResidencyConfig(**cfg), estimator=estimator)
     ev = AgentEviction(res)
-    return clock, res, ev, BlockPool(num_blocks, 1, ev)
+    pool = BlockPool(num_blocks, 1, ev)
+    res.attach(pool)  # the walk's evicted-tail marks read the pool's index
+    return clock, res, ev, pool
 
 
 def run_turn(pool: BlockPool, res: Residency, name: str, hashes: list[int], cls: str | None = "tool",
@@ -113,12 +118,22 @@ def test_expired_protection_is_released_and_counted_as_censored():
     assert not pool.match_prefix([1]) and len(pool.match_prefix([3, 4, 5])) == 3
 
 
-def test_budget_caps_what_idle_trajectories_protect():
-    clock, res, ev, pool = setup(10, budget=0.5)
-    for i in range(5):
+def test_past_the_budget_the_least_valuable_protected_blocks_go_before_unprotected_ones():
+    clock, res, ev, pool = setup(12, budget=0.5)
+    for i in range(5):  # 10 protected free blocks, the budget is 6
+        clock.t = float(i)
         run_turn(pool, res, f"t{i}", [10 * i + 1, 10 * i + 2])
-    assert sum(len(t.hashes) for t in res.protected.values()) <= 5
-    assert len(ev._lru) >= 4  # those over budget went back to plain LRU
+    res.on_request(key("x"))
+    (b,) = pool.allocate(1)
+    pool.insert(b, 99)
+    pool.free([b])  # cached, held by nobody
+    clock.t = 6.0
+    pool.allocate(1 + 4)  # the never-used block, then 4 protected blocks: over the budget
+    assert pool.match_prefix([99]) and ev.num_budget_evictions == 4
+    assert len(ev._held) == 6
+    pool.allocate(1)  # within the budget again: plain LRU first
+    assert not pool.match_prefix([99]) and len(ev._held) == 6
+    pool.check()
 
 
 @settings(max_examples=150, deadline=None)
@@ -156,3 +171,121 @@ def test_allocation_never_fails_while_free_blocks_exist(ops):
         assert len(pool.allocate(pool.num_free_blocks)) == pool.num_blocks
         pool.free(list(range(pool.num_blocks)))
         pool.check()
+
+
+# ── advice, receipts, events, identity ─────────────────────────────────────────────────────
+def setup_with_tombstones(num_blocks: int = 8, **cfg):
+    from agentserve.kv.tombstones import Tombstones
+
+    clock = Clock()
+    estimator = ReturnEstimator(prior=Prior(median_s=10.0, sigma=1.0, never=0.0, weight=4.0))
+    res = Residency(num_blocks, clock, ResidencyConfig(block_size=1, **cfg), estimator=estimator)
+    ev = AgentEviction(res)
+    pool = BlockPool(num_blocks, 1, ev, Tombstones(clock))
+    res.attach(pool)
+    receipts = []
+    res.on_receipt = receipts.append
+    return clock, res, ev, pool, receipts
+
+
+def test_a_return_settles_a_receipt_with_costs_in_prefill_seconds():
+    from agentserve.trajectory.receipts import CostRates
+
+    clock, res, ev, pool, receipts = setup_with_tombstones(8, rates=CostRates(100.0, 50.0))
+    run_turn(pool, res, "a", [1, 2, 3, 4])
+    advice = res.registry.get(key("a")).advice
+    assert advice.action == "retain" and advice.blocks == 4 and advice.predicted_p50_s is not None
+    clock.t = 10.0
+    res.on_request(key("x"))
+    pool.allocate(4 + 2)  # 4 never-used blocks, then a's tail: [4, 3] evicted at t=10
+    clock.t = 20.0
+    res.on_request(key("a"))
+    (r,) = receipts
+    assert (r.outcome, r.gap_s, r.resident_blocks, r.recomputed_tokens) == ("returned", 20.0, 2, 2)
+    assert r.first_eviction_after_s == 10.0 and r.evicted_by == "agent-ev-1"
+    # held: 2 blocks x 20 s + 2 blocks x 10 s = 60 token-seconds (1 token per block)
+    assert r.held_token_s == 60.0
+    assert abs(r.cost_s - (2 / 100 + 60 / (100 * 50))) < 1e-12
+    assert abs(r.alternative_cost_s - 4 / 100) < 1e-12 and r.regret_s == 0.0
+    assert abs(r.log_error - math.log(20.0 / advice.predicted_p50_s)) < 1e-9
+    assert 0 < r.cdf_at_gap < 1
+
+
+def test_leaving_unreturned_is_a_censored_receipt_whose_cost_is_the_memory_held():
+    clock, res, ev, pool, receipts = setup_with_tombstones(8)
+    run_turn(pool, res, "a", [1, 2])
+    clock.t = 30.0
+    res.on_end(key("a"), State.FINISHED)
+    (r,) = receipts
+    assert r.outcome == "finished" and r.recomputed_tokens == 0 and r.log_error is None
+    assert r.held_token_s == 60.0 and r.alternative_cost_s == 0.0 and r.regret_s == r.cost_s > 0
+    assert res.estimator._get("tool").num_censored == 1
+    assert res.registry.get(key("a")).receipts[-1] is r
+
+
+def test_a_pause_unlikely_to_return_in_time_is_advised_release_and_not_protected():
+    clock, res, ev, pool, receipts = setup_with_tombstones(10)
+    for _ in range(400):  # "batch" comes back after ~14 h, far past any horizon here
+        res.estimator.observe_return("batch", 50_000.0)
+    run_turn(pool, res, "a", [1, 2], "batch")
+    run_turn(pool, res, "b", [3, 4], "tool")
+    a, b = res.registry.get(key("a")), res.registry.get(key("b"))
+    assert a.advice.action == "release" and "not protected" in a.advice.reason and key("a") not in res.protected
+    assert b.advice.action == "retain" and key("b") in res.protected
+    clock.t = 100.0
+    res.on_request(key("a"))
+    (r,) = receipts
+    assert r.advice.action == "release" and r.recomputed_tokens == 0  # nothing needed the room
+    assert r.alternative_cost_s == r.cost_s  # release vs hold: the same blocks held all along
+
+
+def test_events_follow_the_state_and_count_the_rest_as_no_ops():
+    from agentserve.trajectory.events import Event, Outcome
+
+    clock, res, ev, pool, receipts = setup_with_tombstones(8)
+    with pytest.raises(KeyError):
+        res.on_event(key("nobody"), Event.TOOL_STARTED)
+    run_turn(pool, res, "a", [1, 2])
+    assert res.on_event(key("a"), Event.TOOL_STARTED) is Outcome.DUPLICATE  # inferred already
+    clock.t = 2.0
+    assert res.on_event(key("a"), Event.TOOL_STARTED, "shell", expected_s=5.0) is Outcome.APPLIED
+    t = res.registry.get(key("a"))
+    assert t.pause_class == "shell" and t.advice.p_return == 1.0  # expected back within the horizon
+    clock.t = 4.0
+    assert res.on_event(key("a"), Event.TOOL_FINISHED) is Outcome.APPLIED
+    assert res.estimator._get("shell").num_returns == 1 and t.state is State.RUNNING
+    assert res.on_event(key("a"), Event.TOOL_FINISHED) is Outcome.DUPLICATE
+    assert key("a") in res.protected and res.value(t, 4.0) == 2.0  # full value until its request
+    clock.t = 5.0
+    res.on_request(key("a"))
+    (r,) = receipts
+    assert r.outcome == "returned" and r.gap_s == 4.0  # the gap is to tool_finished
+    assert res.estimator._get("shell").num_returns == 1  # not observed twice
+    assert res.on_event(key("a"), Event.TRAJECTORY_CANCELLED) is Outcome.APPLIED
+    assert res.on_event(key("a"), Event.TRAJECTORY_CANCELLED) is Outcome.DUPLICATE
+    assert res.on_event(key("a"), Event.TRAJECTORY_FINISHED) is Outcome.OUT_OF_ORDER
+    assert res.on_event(key("a"), Event.TOOL_FINISHED) is Outcome.OUT_OF_ORDER
+
+
+def test_identify_finds_the_paused_trajectory_a_prompt_extends():
+    clock, res, ev, pool, receipts = setup_with_tombstones(16)
+    res.on_request(key("a"))
+    res.on_response(key("a"), [1, 2, 3, 4], State.PAUSED_TOOL, "tool", prompt_blocks=2)
+    res.on_request(key("b"))
+    res.on_response(key("b"), [1, 7, 8], State.PAUSED_TOOL, "tool", prompt_blocks=3)
+    assert res.identify([1, 2, 3, 4, 9]) == key("a")  # extends a's whole sequence
+    assert res.identify([1, 2, 5, 6]) == key("a")  # a's prompt, then a re-rendered reply
+    assert res.identify([1, 7, 8, 9]) == key("b")
+    assert res.identify([1, 5]) is None  # only the shared system block
+    res.on_end(key("a"), State.FINISHED)
+    assert res.identify([1, 2, 3, 4, 9]) is None  # not paused any more
+
+
+def test_the_number_of_protected_trajectories_is_bounded():
+    clock, res, ev, pool = setup(64, max_protected=3)
+    for i in range(6):
+        clock.t = float(i)
+        run_turn(pool, res, f"t{i}", [10 * i + 1])
+        assert len(res.protected) <= 3
+    assert sorted(k.id for k in res.protected) == ["t3", "t4", "t5"]  # same class: the oldest lost it
+    assert res.registry.get(key("t0")).advice.action == "release"

@@ -128,6 +128,18 @@ def _grammar(args: argparse.Namespace) -> int:
     return 0
 
 
+def _residency(args: argparse.Namespace) -> int:
+    from agentserve.bench.residency_bench import run
+
+    return run(args)
+
+
+def _prediction(args: argparse.Namespace) -> int:
+    from agentserve.sim.prediction import run
+
+    return run(args)
+
+
 def _gil(model: str) -> None:
     from agentserve.bench.gil_probe import probe
     from agentserve.bench.tool_schemas import agent_tools
@@ -203,3 +215,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--gil", action="store_true", help="also measure whether llguidance holds the GIL")
     g.add_argument("--json", default=None)
     g.set_defaults(func=_grammar)
+    from agentserve.bench.residency_bench import add_args
+
+    r = sub.add_parser("residency", help="agent sessions with real gaps against --residency off|shadow|on")
+    add_args(r)
+    r.set_defaults(func=_residency)
+    q = sub.add_parser("prediction", help="return-time prediction quality of the residency policy, in the simulator")
+    q.add_argument("trace", nargs="+", help="trace files or directories")
+    q.add_argument("--sessions", type=int, default=100)
+    q.add_argument("--capacity", default="1M", help="KV pool, tokens")
+    q.add_argument("--rate", type=float, default=1 / 300, help="sessions per second (Poisson)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--events", default="none", choices=["none", "terminal"])
+    q.add_argument("--cost-model", default="h200-llama3-8b")
+    q.add_argument("--json", default=None)
+    q.set_defaults(func=_prediction)

@@ -181,7 +181,7 @@ def run_fuzz(config: FuzzConfig) -> FuzzReport:
     from agentserve.bench.fuzz_server import FuzzServer
 
     llm = LLM(config.model, dtype=config.dtype, num_kv_blocks=config.num_kv_blocks,
-              max_model_len=config.max_model_len)
+              max_model_len=config.max_model_len, residency="on")
     started = time.monotonic()
     server = FuzzServer.start(llm, config.model, config.max_tokens)
     pool = llm.engine.scheduler.pool

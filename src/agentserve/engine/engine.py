@@ -28,7 +28,7 @@ from agentserve.engine.request import (
 )
 from agentserve.engine.detokenize import IncrementalDecoder
 from agentserve.engine.scheduler import Batch, Scheduler
-from agentserve.kv.hashing import ExtraKeys
+from agentserve.kv.hashing import BlockHash, ExtraKeys, extend_block_hashes
 
 Clock = Callable[[], float]
 
@@ -109,6 +109,15 @@ class Engine:
         if keys is None:
             keys = self._extra_keys[cache_salt] = ExtraKeys(self.model_id, cache_salt)
         return keys
+
+    def prompt_hashes(self, request_id: RequestId) -> list[BlockHash]:
+        """The hashes of a queued request's full prompt blocks (computed now, once: the
+        scheduler's prefix match reuses them)."""
+        r = self.scheduler.requests[request_id]
+        if len(r.block_hashes) < r.num_prompt_tokens // self.scheduler.pool.block_size:
+            extend_block_hashes(r.block_hashes, r.token_ids[: r.num_prompt_tokens],
+                                self.scheduler.pool.block_size, r.extra_keys)
+        return r.block_hashes
 
     def abort(self, request_id: RequestId) -> RequestOutput | None:
         """Stop a request now and free its blocks. None if it already finished or is unknown."""

@@ -132,6 +132,7 @@ class Request:
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None  # why it failed, with finish_reason ERROR
+    final_block_hashes: tuple[BlockHash, ...] = ()  # once finished: its published blocks, in order
 
     @property
     def num_tokens(self) -> int:
@@ -164,6 +165,9 @@ class RequestOutput:
     first_token_time: float | None
     matched_stop: str | None = None  # the stop string that ended the request (not in the text)
     error: str | None = None  # with finish_reason ERROR: what failed in this request
+    # Once finished: the hashes of its blocks that were in the prefix cache (prompt and reply),
+    # what its trajectory's next turn would match; () before that or with the cache off.
+    block_hashes: tuple[BlockHash, ...] = ()
 
 
 def make_output(
@@ -185,4 +189,5 @@ def make_output(
         first_token_time=request.first_token_time,
         matched_stop=matched_stop,
         error=request.error,
+        block_hashes=request.final_block_hashes,
     )

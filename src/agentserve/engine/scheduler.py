@@ -141,6 +141,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        if request.num_cached_blocks:
+            request.final_block_hashes = tuple(request.block_hashes[: request.num_cached_blocks])
         self._free_blocks(request)
         self._finished.append(request_id)
         request.status = RequestStatus.FINISHED

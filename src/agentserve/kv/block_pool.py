@@ -19,11 +19,12 @@ block).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NewType, Protocol
 
 from agentserve.kv.hashing import BlockHash
+from agentserve.kv.tombstones import Tombstones
 
 BlockId = NewType("BlockId", int)
 
@@ -41,7 +42,10 @@ class EvictionPolicy(Protocol):
     """Which free cached block gives up its hash next. It holds exactly the free blocks that
     hold a hash: `push` those that became free (in the order freed; hash_of[b] is block b's
     hash), `remove` those a cache hit takes back, `pop` the next n victims. Bulk calls keep the
-    per-block cost low. Iteration is in eviction order (for check() and tests)."""
+    per-block cost low. Iteration is in eviction order (for check() and tests). `name` goes
+    into tombstones and receipts."""
+
+    name: str
 
     def push(self, block_ids: Sequence[BlockId], hash_of: Sequence[BlockHash | None]) -> None: ...
     def remove(self, block_ids: Sequence[BlockId]) -> None: ...
@@ -52,6 +56,8 @@ class EvictionPolicy(Protocol):
 
 class LruEviction:
     """Least recently freed first: pushes go to the tail, pops come from the head."""
+
+    name = "lru"
 
     def __init__(self) -> None:
         self._order: OrderedDict[BlockId, None] = OrderedDict()
@@ -78,7 +84,8 @@ class LruEviction:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy | None = None,
+                 tombstones: Tombstones | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -91,6 +98,7 @@ class BlockPool:
         self._evictable: EvictionPolicy = LruEviction() if eviction is None else eviction
         assert len(self._evictable) == 0, "the eviction policy must start empty"
         self.num_evictions = 0
+        self.tombstones = tombstones  # evicted hashes, when a receipt needs them
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,6 +114,11 @@ class BlockPool:
 
     def block_hash(self, block_id: BlockId) -> BlockHash | None:
         return self._hash_of[block_id]
+
+    @property
+    def index(self) -> Mapping[BlockHash, BlockId]:
+        """Every cached hash and its block, used or free (read only)."""
+        return self._block_of
 
     def match_prefix(self, hashes: Sequence[BlockHash]) -> list[BlockId]:
         """Blocks holding the longest cached prefix of `hashes`. Takes no reference."""
@@ -148,6 +161,9 @@ class BlockPool:
         if k < n:
             victims = self._evictable.pop(n - k)
             hash_of, block_of = self._hash_of, self._block_of
+            if self.tombstones is not None:
+                self.tombstones.record([hash_of[b] for b in victims], "capacity",  # type: ignore[misc]
+                                       self._evictable.name)
             for b in victims:
                 del block_of[hash_of[b]]  # type: ignore[arg-type]
                 hash_of[b] = None
@@ -186,6 +202,8 @@ class BlockPool:
             return False
         self._block_of[block_hash] = block_id
         self._hash_of[block_id] = block_hash
+        if self.tombstones is not None:
+            self.tombstones.revive((block_hash,))
         return True
 
     def insert_many(self, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]) -> None:
@@ -196,6 +214,8 @@ class BlockPool:
             if h not in block_of:
                 block_of[h] = b
                 hash_of[b] = h
+        if self.tombstones is not None:
+            self.tombstones.revive(hashes)
 
     def stats(self) -> PoolStats:
         return PoolStats(

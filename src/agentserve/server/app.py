@@ -7,7 +7,7 @@ import contextlib
 import functools
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from agentserve.config import ServerConfig
 from agentserve.engine.request import RequestOutput, SamplingParams
-from agentserve.server import chat_routes, completion_routes
+from agentserve.server import chat_routes, completion_routes, trajectories
 from agentserve.server.admission import Admission, Overloaded, Slot
 from agentserve.server.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from agentserve.server.door import Door, engine_failed, overloaded, slot_of
@@ -26,7 +26,10 @@ from agentserve.server.grammars import GrammarConfig, Grammars
 from agentserve.server.metrics import Metrics
 from agentserve.server.protocol import _Sampling
 from agentserve.server.sessions import Session, SessionClosedError, SessionRegistry
+from agentserve.trajectory.registry import TrajectoryKey
+from agentserve.server.protocol import AgentHints
 from agentserve.server.tool_parsers import ToolParser
+from agentserve.server.trajectories import Identity, Trajectories, identity_of
 
 
 @dataclass
@@ -42,9 +45,16 @@ class ServerState:
     grammar_config: GrammarConfig = field(default_factory=GrammarConfig)
     admission: Admission = field(init=False)
     live: dict[str, Generation] = field(default_factory=dict)  # accepted, not yet closed
+    trajectories: Trajectories | None = field(init=False, default=None)  # None: --residency off
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config)
+        residency = getattr(self.llm, "residency", None)
+        mode = getattr(self.llm, "residency_mode", "off")
+        if residency is not None:
+            self.trajectories = Trajectories(residency, mode, self.metrics)
+        else:
+            self.metrics.watch_residency(None, mode)
 
     @functools.cached_property
     def grammars(self) -> Grammars:
@@ -124,30 +134,52 @@ class ServerState:
 
     async def start(self, request: Request, request_id: str, prompt: list[int],
                     sampling: SamplingParams, body: _Sampling, route: str,
-                    slot: Slot | None = None) -> Generation:
+                    slot: Slot | None = None, track: bool = True) -> Generation:
         """Admit a request (with its queue slot: taken at the door, or given) and hand it to
-        the engine. The caller owns the returned Generation and must close it (generation.py)."""
+        the engine. The caller owns the returned Generation and must close it (generation.py).
+        track: the request is a turn of its trajectory (False for a generation the server makes
+        itself inside a turn)."""
         slot = slot or slot_of(request.scope)
         if slot is None:
             raise RuntimeError(f"{route}: a generation route was reached without the door")
+        ident = self._identity(body, request) if track else None
         try:  # until the Generation owns it, the slot is given back on every way out
-            stream = await self._add(slot, request_id, prompt, sampling, body)
+            stream = await self._add(slot, request_id, prompt, sampling, body, ident)
         except BaseException:
             slot.release()
             raise
-        generation = Generation(self.async_engine(), request_id, stream, slot, self.metrics, route,
-                                lambda g: self.live.pop(g.request_id, None))
+        generation = Generation(self.async_engine(), request_id, stream, slot, self.metrics, route, self._closed)
+        if isinstance(stream.context, TrajectoryKey) and self.trajectories is not None:
+            generation.trajectory = stream.context
+            self.trajectories.started(stream.context, request_id, ident.session if ident else None)
         self.live[request_id] = generation
         return generation
 
+    def _identity(self, body: _Sampling, request: Request) -> Identity | None:
+        if self.trajectories is None:
+            return None
+        sid = body.session_id or request.headers.get("x-session-id")
+        session = self.sessions.get(sid) if sid else None
+        return identity_of(body, request.headers, sid, session.trajectory_id if session else None)
+
+    def _closed(self, g: Generation) -> None:
+        self.live.pop(g.request_id, None)
+        if g.trajectory is not None and self.trajectories is not None:
+            self.trajectories.ended(g.trajectory, g.request_id)
+            if not g.responded:  # failed, aborted or its client left before a response
+                self.trajectories.abandoned(self, g.trajectory)
+
     async def _add(self, slot: Slot, request_id: str, prompt: list[int], sampling: SamplingParams,
-                   body: _Sampling) -> RequestStream:
+                   body: _Sampling, ident: Identity | None) -> RequestStream:
         try:
             self.admission.admit(slot, len(prompt))
         except Overloaded as exc:
             raise overloaded(exc) from exc
+        then = None
+        if ident is not None and self.trajectories is not None:
+            then = self.trajectories.then(self.llm.engine, ident)
         try:
-            return await self.async_engine().add(prompt, sampling, request_id, body.cache_salt)
+            return await self.async_engine().add(prompt, sampling, request_id, body.cache_salt, then)
         except ValueError as exc:
             code = "context_length_exceeded" if "context" in str(exc) else "invalid_value"
             raise APIError(400, str(exc), code=code) from exc
@@ -166,7 +198,12 @@ class ServerState:
                 if since is not None and now - since > timeout:
                     g.drop(f"its client took no output for {now - since:.0f} s")
 
-    def finish(self, session_id: str | None, out: RequestOutput) -> None:
+    def finish(self, session_id: str | None, out: RequestOutput, gen: Generation,
+               calls: Sequence[str] = (), hints: AgentHints | None = None) -> None:
+        """A turn's response is complete (calls: the tool names it called)."""
+        if gen.trajectory is not None and self.trajectories is not None and not gen.responded:
+            gen.responded = True
+            self.trajectories.responded(self, gen.trajectory, out, calls, hints)
         if session_id is not None:
             self.sessions.record_usage(session_id, out.num_prompt_tokens, out.num_reused_tokens,
                                        out.num_generated_tokens)
@@ -177,6 +214,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         reaper = asyncio.create_task(state.reap_stalled())
+        expirer = None if state.trajectories is None else asyncio.create_task(state.trajectories.expire_forever(state))
         own_engine = state.engine is None  # else the CLI runs the step loop on the main thread
         if own_engine:
             state.engine = AsyncEngine(state.llm.engine, on_step=state.metrics.on_step)
@@ -187,6 +225,8 @@ def build_app(state: ServerState) -> FastAPI:
             yield
         finally:
             reaper.cancel()
+            if expirer is not None:
+                expirer.cancel()
             if own_engine:
                 state.async_engine().shutdown()
 
@@ -221,7 +261,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/sessions/{session_id}/close")
     async def close_session(session_id: str) -> JSONResponse:
-        return session_json(session_id, state.sessions.close(session_id))
+        closed = state.sessions.close(session_id)
+        if closed is not None and state.trajectories is not None:  # its protection ends now
+            state.trajectories.session_closed(state, session_id)
+        return session_json(session_id, closed)
 
     @app.get("/v1/sessions/{session_id}")
     async def get_session(session_id: str) -> JSONResponse:
@@ -229,4 +272,5 @@ def build_app(state: ServerState) -> FastAPI:
 
     chat_routes.register(app, state)
     completion_routes.register(app, state)
+    trajectories.register(app, state)
     return app

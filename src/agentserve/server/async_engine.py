@@ -21,12 +21,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from agentserve.engine.engine import Engine
 from agentserve.engine.request import RequestId, RequestOutput, SamplingParams
 from agentserve.kv.block_pool import PoolStats
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +60,7 @@ class RequestStream:
     other fields are cumulative, so the latest wins): a slow reader holds one pending output,
     not one per step. `pending_since` tells how long the oldest untaken output has waited."""
 
-    __slots__ = ("_pending", "_tokens", "_ready", "pending_since", "stalled")
+    __slots__ = ("_pending", "_tokens", "_ready", "pending_since", "stalled", "context")
 
     def __init__(self) -> None:
         self._pending: RequestOutput | EngineFailure | None = None
@@ -66,6 +68,7 @@ class RequestStream:
         self._ready = asyncio.Event()
         self.pending_since: float | None = None
         self.stalled = False  # set when its reader was dropped for taking nothing too long
+        self.context: object = None  # what add()'s `then` returned (the request's trajectory)
 
     def put(self, item: RequestOutput | EngineFailure, now: float) -> None:
         if isinstance(self._pending, EngineFailure):
@@ -140,9 +143,12 @@ class AsyncEngine:
         return self._thread is None or self._thread.is_alive()
 
     async def add(self, prompt_token_ids: Sequence[int], sampling: SamplingParams, request_id: str,
-                  cache_salt: str | None = None) -> RequestStream:
+                  cache_salt: str | None = None, then: Callable[[RequestId], object] | None = None
+                  ) -> RequestStream:
         """Queue a request; its outputs arrive on the returned stream. Raises the engine's
-        ValueError for input it rejects, EngineUnavailable once the engine has failed."""
+        ValueError for input it rejects, EngineUnavailable once the engine has failed.
+        `then` runs on the engine thread right after the add, before any step; its result is
+        the stream's `context` (a failure there is logged and leaves it None)."""
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         stream = RequestStream()
 
@@ -155,6 +161,11 @@ class AsyncEngine:
             except Exception as exc:  # reported to the caller, never to the loop
                 done.set_exception(exc)
                 return
+            if then is not None:
+                try:
+                    stream.context = then(rid)
+                except Exception:  # bookkeeping of this request only: it still runs
+                    log.exception("%s: after-add hook failed", rid)
             self._streams[rid] = stream
             done.set_result(None)
 
@@ -165,6 +176,29 @@ class AsyncEngine:
             self.abort(request_id)
             raise
         return stream
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run fn on the engine thread (between steps) and return its result or raise its error."""
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def command() -> None:
+            try:
+                done.set_result(fn())
+            except Exception as exc:
+                done.set_exception(exc)
+
+        self._put(command)
+        return await asyncio.wrap_future(done)
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        """Run fn on the engine thread, not waiting for it; a failure is logged (thread-safe)."""
+        def command() -> None:
+            try:
+                fn()
+            except Exception:
+                log.exception("engine-thread task failed")
+
+        self._commands.put(command)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (thread-safe, returns at once)."""

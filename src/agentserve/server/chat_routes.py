@@ -77,7 +77,7 @@ class _Turn:
         sampling = state.sampling(body, len(prompt.token_ids), left, guide)
         rid = f"{self.request_id}-answer"
         gen = await state.start(self.request, rid, prompt.token_ids, sampling, body, "chat",
-                                slot=state.enter())
+                                slot=state.enter(), track=False)
         return gen, TextState(state.tokenizer, sampling.stop)
 
 
@@ -109,7 +109,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                 return gone
             assert answer.last is not None
             content, last = answer.text, merged(last, answer.last)
-        state.finish(session_id, last)
+        state.finish(session_id, last, gen, [c.name for c in decision.calls], body.agent_hints)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if decision.calls:
             message["tool_calls"] = _calls(rid, decision.calls)
@@ -117,7 +117,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                   "finish_reason": _finish_reason(last.finish_reason.value, bool(decision.calls))}
         if decision.dropped:
             choice["agentserve"] = decision.record()
-        return {**head, "object": "chat.completion", "choices": [choice], "usage": usage(last, session_id)}
+        return {**head, "object": "chat.completion", "choices": [choice], "usage": usage(last, session_id, gen.trajectory_id)}
 
 
 async def _stream(turn: _Turn, parser: StreamingToolParser | None, gen: Generation, text: TextState,
@@ -152,9 +152,9 @@ async def _stream(turn: _Turn, parser: StreamingToolParser | None, gen: Generati
         last = merged(last, answer.last)
     for i, call in enumerate(_calls(head["id"], decision.calls)):
         yield chunk({"tool_calls": [{"index": i, **call}]})
-    turn.state.finish(session_id, last)
+    turn.state.finish(session_id, last, gen, [c.name for c in decision.calls], turn.body.agent_hints)
     record = {"agentserve": decision.record()} if decision.dropped else {}
     yield chunk({}, _finish_reason(last.finish_reason.value, bool(decision.calls)), **record)
     if turn.body.stream_options and turn.body.stream_options.include_usage:
-        yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(last, session_id)})
+        yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(last, session_id, gen.trajectory_id)})
     yield DONE

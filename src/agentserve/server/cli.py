@@ -23,7 +23,8 @@ def build_state(args: argparse.Namespace):
               block_size=args.block_size, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
-              device=args.device, cache_root=args.cache_root, cpu_kernels=not args.no_cpu_kernels)
+              device=args.device, cache_root=args.cache_root, cpu_kernels=not args.no_cpu_kernels,
+              residency=args.residency)
     if llm.runner.guided is not None:
         llm.runner.guided.warm()  # constrained decoding's token table: built now, not on a request
     # Start-up's ~450k objects (tokenizer tables, modules) leave the collector's view: a full
@@ -109,6 +110,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="use torch's SDPA for CPU decode attention instead of the C++ kernel")
+    p.add_argument("--residency", default="shadow", choices=["off", "shadow", "on"],
+                   help="agent-aware KV residency (docs/residency.md): off = plain LRU; shadow = LRU, "
+                        "with advice and receipts to check predictions; on = evict by expected value")
     p.add_argument("--tool-parser", default="auto", choices=["auto", "hermes", "json", "qwen3_xml"])
     d = ServerConfig()
     g = p.add_argument_group("bounds (docs/reliability.md)")

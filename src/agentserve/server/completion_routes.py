@@ -35,12 +35,12 @@ def register(app: FastAPI, state: ServerState) -> None:
         if (gone := await run_one_shot(request, gen, text)) is not None:
             return gone
         assert text.last is not None
-        state.finish(session_id, text.last)
+        state.finish(session_id, text.last, gen, (), body.agent_hints)
         choice: dict[str, Any] = {"index": 0, "text": text.text, "logprobs": None,
                                   "finish_reason": FINISH[text.last.finish_reason.value]}
         if body.return_token_ids:
             choice |= {"prompt_token_ids": prompt, "token_ids": text.token_ids}
-        return {**head, "object": "text_completion", "choices": [choice], "usage": usage(text.last, session_id)}
+        return {**head, "object": "text_completion", "choices": [choice], "usage": usage(text.last, session_id, gen.trajectory_id)}
 
 
 async def _stream(state: ServerState, body: CompletionRequest, prompt: list[int],
@@ -56,7 +56,7 @@ async def _stream(state: ServerState, body: CompletionRequest, prompt: list[int]
                 choice["prompt_token_ids"] = prompt
         yield sse({**head, "object": "text_completion", "choices": [choice]})
     assert text.last is not None
-    state.finish(session_id, text.last)
+    state.finish(session_id, text.last, gen, (), body.agent_hints)
     if body.stream_options and body.stream_options.include_usage:
-        yield sse({**head, "object": "text_completion", "choices": [], "usage": usage(text.last, session_id)})
+        yield sse({**head, "object": "text_completion", "choices": [], "usage": usage(text.last, session_id, gen.trajectory_id)})
     yield DONE

@@ -21,6 +21,7 @@ from agentserve.server.async_engine import AsyncEngine, ClientGone, EngineFailur
 from agentserve.server.door import engine_failed
 from agentserve.server.errors import APIError
 from agentserve.server.metrics import Metrics
+from agentserve.trajectory.registry import TrajectoryKey
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,7 +63,7 @@ class TextState:
         return delta, list(out.new_token_ids)
 
 
-def usage(out: RequestOutput, session_id: str | None) -> dict[str, Any]:
+def usage(out: RequestOutput, session_id: str | None, trajectory_id: str | None = None) -> dict[str, Any]:
     ttft = None if out.first_token_time is None else (out.first_token_time - out.arrival_time) * 1e3
     queue = None if out.first_scheduled_time is None else (out.first_scheduled_time - out.arrival_time) * 1e3
     return {
@@ -74,6 +75,7 @@ def usage(out: RequestOutput, session_id: str | None) -> dict[str, Any]:
             "reused_tokens": out.num_reused_tokens, "prefilled_tokens": out.num_prefilled_tokens,
             "generated_tokens": out.num_generated_tokens, "recomputed_tokens": out.num_recomputed_tokens,
             "time_to_first_token_ms": ttft, "queue_ms": queue, "session_id": session_id,
+            "trajectory_id": trajectory_id,
         },
     }
 
@@ -97,6 +99,12 @@ class Generation:
         self._on_close = on_close
         self.finished = False
         self._closed = False
+        self.trajectory: TrajectoryKey | None = None  # set by the server when residency tracks it
+        self.responded = False  # its response was reported to the residency policy
+
+    @property
+    def trajectory_id(self) -> str | None:
+        return None if self.trajectory is None else self.trajectory.id
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The request's outputs until it finishes. Raises APIError when it failed (500 for

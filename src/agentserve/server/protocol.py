@@ -196,6 +196,34 @@ Stop = Annotated[
     _by_kind("a string, an array of strings or null")]
 
 
+MAX_HINT_MS = 7 * 86_400_000  # a week: longer durations are absurd for a tool
+
+
+class AgentHints(_Body):
+    """What a harness may tell about the pause that follows this request's response."""
+
+    tool_class: Id | None = None
+    expected_duration_ms: float | None = Field(default=None, ge=0, le=MAX_HINT_MS, allow_inf_nan=False)
+    parent_trajectory_id: Id | None = None
+    last_turn: bool = False  # the trajectory ends with this response (trajectory_finished)
+
+
+TRAJECTORY_EVENTS = ("model_started", "tool_started", "tool_finished", "trajectory_finished",
+                     "trajectory_cancelled")
+
+
+class TrajectoryEventRequest(_Body):
+    """POST /v1/trajectories/{id}/events. No prompt text, arguments or secrets."""
+
+    event: Literal["model_started", "tool_started", "tool_finished", "trajectory_finished",
+                   "trajectory_cancelled"]
+    tool_class: Id | None = None
+    emitted_at_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                        description="client wall clock, ms since the Unix epoch")
+    expected_duration_ms: float | None = Field(default=None, ge=0, le=MAX_HINT_MS, allow_inf_nan=False)
+    cache_salt: Id | None = None  # the tenant: the salt its requests carry
+
+
 class _Sampling(_Body):
     model: Id
     max_tokens: Count | None = None
@@ -214,6 +242,9 @@ class _Sampling(_Body):
     session_id: Id | None = None
     trajectory_id: Id | None = None
     cache_salt: Id | None = None
+    prompt_cache_key: Id | None = None  # OpenAI's; harnesses set it per conversation
+    user: Id | None = None
+    agent_hints: AgentHints | None = None
 
     @field_validator("top_k")
     @classmethod

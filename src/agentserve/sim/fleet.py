@@ -127,10 +127,13 @@ class Fleet:
         self.residency: list[Residency | None] = [None] * config.num_replicas
 
         def pool(i: int) -> BlockPool:
-            ctx = PolicyContext(oracle, self.progress, lambda: self.now, i, self.num_blocks)
+            ctx = PolicyContext(oracle, self.progress, lambda: self.now, i, self.num_blocks, bs)
             eviction = spec.eviction(ctx) if spec.eviction else None
-            self.residency[i] = getattr(eviction, "residency", None)
-            return BlockPool(self.num_blocks, bs, eviction)
+            residency = self.residency[i] = getattr(eviction, "residency", None)
+            built = BlockPool(self.num_blocks, bs, eviction)
+            if residency is not None:
+                residency.attach(built)  # receipts count resident blocks (no tombstones here)
+            return built
 
         self.replicas = [Replica(i, Scheduler(sched, pool(i)), cost, config.decode_runs)
                          for i in range(config.num_replicas)]

@@ -200,6 +200,8 @@ class BeladyEviction:
     """EvictionPolicy: a max-heap on next use (lazy deletion, lazy re-evaluation), keys computed
     at the first pop after a push; first-freed first among ties."""
 
+    name = "belady"
+
     def __init__(self, forecast: Forecast, clock: Callable[[], float]) -> None:
         self._next_use = forecast.next_use
         self._next_uses = forecast.next_uses

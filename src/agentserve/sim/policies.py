@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from agentserve.kv.block_pool import EvictionPolicy, LruEviction
 from agentserve.sim.oracle import BeladyEviction, Forecast, NextUse
 from agentserve.sim.progress import Progress
-from agentserve.trajectory.residency import AgentEviction, Residency
+from agentserve.trajectory.residency import AgentEviction, build_residency
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +21,7 @@ class PolicyContext:
     clock: Callable[[], float]
     replica: int  # the replica whose pool this policy serves
     num_blocks: int  # of that pool
+    block_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +39,15 @@ POLICIES: tuple[PolicySpec, ...] = (
     PolicySpec("belady", "offline oracle: evict the block whose next use is farthest away",
                True, lambda ctx: BeladyEviction(Forecast(ctx.oracle(), ctx.progress, ctx.replica), ctx.clock)),
     PolicySpec("agent", "agent-aware residency: paused trajectories kept by expected value (trajectory/)",
-               True, lambda ctx: AgentEviction(Residency(ctx.num_blocks, ctx.clock))),
+               True, lambda ctx: _agent(ctx)),
 )
+
+
+def _agent(ctx: PolicyContext) -> AgentEviction:
+    """The server's `--residency on`, built by the same function (trajectory/residency.py)."""
+    _, eviction = build_residency("on", ctx.num_blocks, ctx.block_size, ctx.clock)
+    assert eviction is not None
+    return eviction
 
 
 def get_policy(name: str) -> PolicySpec:

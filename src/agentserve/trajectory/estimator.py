@@ -41,6 +41,7 @@ class _Class:
     censored: list[float]  # per bin: left unreturned after waiting into this bin
     num_returns: int = 0
     num_censored: int = 0
+    open: list[float] | None = None  # per bin: pauses still open, at their wait so far
     _survival: list[float] | None = None  # S at each bin's upper edge, cached
 
 
@@ -97,11 +98,26 @@ class ReturnEstimator:
         c.num_censored += 1
         c._survival = None
 
+    def set_open(self, waits: dict[str, list[float]]) -> None:
+        """The pauses still open now, per class, at how long each has waited: they count as
+        censored there until they close (a pause that has waited an hour says as much as one
+        that expired after an hour). Replaces the previous call's; classes absent have none."""
+        for name, c in self._classes.items():
+            if c.open is not None and name not in waits:
+                c.open, c._survival = None, None
+        for name, ws in waits.items():
+            c = self._get(name)
+            bins = [0.0] * len(c.events)
+            for w in ws:
+                bins[self._bin(w)] += 1.0
+            c.open, c._survival = bins, None
+
     def _survival(self, c: _Class) -> list[float]:
         if c._survival is None:
-            at_risk = sum(c.events) + sum(c.censored)
+            censored = c.censored if c.open is None else [a + b for a, b in zip(c.censored, c.open)]
+            at_risk = sum(c.events) + sum(censored)
             s, out = 1.0, []
-            for d, q in zip(c.events, c.censored):
+            for d, q in zip(c.events, censored):
                 exposed = at_risk - q / 2  # life-table: the censored in a bin were at risk half of it
                 if exposed > 0:
                     s *= max(0.0, 1.0 - d / exposed)
@@ -127,6 +143,11 @@ class ReturnEstimator:
         else:
             frac = math.log(max(t_s, lo_t) / lo_t) / math.log(hi_t / lo_t)
         return lo_s + (hi_s - lo_s) * min(1.0, max(0.0, frac))
+
+    def samples(self, name: str) -> int:
+        """Pauses of this class seen so far (returned and censored), the prior not counted."""
+        c = self._classes.get(self.class_of(name))
+        return 0 if c is None else c.num_returns + c.num_censored
 
     def never(self, name: str) -> float:
         """The mass that never returns: survival past the grid's end."""

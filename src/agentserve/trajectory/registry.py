@@ -11,9 +11,12 @@ is dropped (its owner sees it as expired), and `expire` drops those idle past `m
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from agentserve.trajectory.receipts import CacheAdvice, DecisionReceipt
 
 BlockHash = int
 
@@ -29,8 +32,9 @@ class State(enum.Enum):
 PAUSED = (State.PAUSED_TOOL, State.WAITING_HUMAN)
 
 
-@dataclass(frozen=True, slots=True)
-class TrajectoryKey:
+class TrajectoryKey(NamedTuple):
+    """A tuple: hashed in C, as every protected block's bookkeeping hashes it."""
+
     tenant: str
     id: str
 
@@ -47,6 +51,8 @@ class Trajectory:
     parent: TrajectoryKey | None = None
     num_requests: int = 0
     sessions: set[str] = field(default_factory=set)
+    advice: CacheAdvice | None = None  # the latest, given at its latest pause
+    receipts: deque[DecisionReceipt] = field(default_factory=lambda: deque(maxlen=8))  # the latest
 
     @property
     def paused(self) -> bool:

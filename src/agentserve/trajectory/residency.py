@@ -1,128 +1,377 @@
 """Agent-aware eviction: which free cached blocks go first when the pool needs space.
 
 Order (the pool's `EvictionPolicy` seam, kv/block_pool.py):
-1. free cached blocks that no protected trajectory holds, least recently freed first (LRU);
-2. then the blocks of paused trajectories, lowest expected value first, each trajectory tail
-   first (an inner block evicted makes every block after it useless to a prefix match). A
-   block several trajectories hold goes with its most valuable holder.
-A trajectory is protected while paused, for at most `max_idle_s`, and only while the blocks
-protected stay under `budget` of the pool (the least valuable lose protection first). It is
-soft, never a pin: the pool can always take every free block, so an allocation succeeds
-whenever free blocks exist.
+1. past the budget, the lowest-ranked protected blocks (below);
+2. free cached blocks that no protected trajectory holds, least recently freed first (LRU);
+3. then the blocks of paused trajectories, lowest rank first, each trajectory tail first (an
+   inner block evicted makes every block after it useless to a prefix match). A block several
+   trajectories hold goes with its highest-ranked holder.
+The rank (`Residency.rank`) is P(it returns within the horizon) per block, then the pause's
+recency; the expected value of keeping it, reported in advice, is that P x its blocks. P is
+conditioned on the wait so far, capped at its value at the pause. The horizon is how long a
+block freed now stays in the pool at the current churn (capacity / blocks evicted per second,
+smoothed), floored at `min_horizon_s`.
 
-The expected value of keeping a paused trajectory is P(it returns within the horizon | the
-time it has waited) x the blocks it would not recompute. The horizon is how long a block
-freed now stays in the pool at the current churn (capacity / blocks freed per second, smoothed),
-floored at `min_horizon_s`. Everything here is torch-free and reads only what a live server
-knows at that moment: the simulator imports it as it is.
+A trajectory is protected while paused, for at most `max_idle_s`, unless its P at the pause is
+under `release_below` (advice: release); at most `max_protected` at once. Protected free blocks
+may fill at most `budget` of the pool, counted at eviction time on blocks resident now, so
+unprotected traffic keeps its share. It is soft, never a pin: the pool can always take every
+free block, so an allocation succeeds whenever free blocks exist.
+
+Everything here is torch-free and reads only what a live server knows at that moment: the
+simulator imports it as it is (docs/residency.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from agentserve.kv.tombstones import Tombstones
 from agentserve.trajectory.estimator import ReturnEstimator
-from agentserve.trajectory.registry import BlockHash, State, Trajectory, TrajectoryKey, TrajectoryRegistry
+from agentserve.trajectory.events import Event, Outcome
+from agentserve.trajectory.receipts import POLICY_VERSION, CacheAdvice, CostRates, DecisionReceipt, settle
+from agentserve.trajectory.registry import PAUSED, BlockHash, State, Trajectory, TrajectoryKey, TrajectoryRegistry
 
 BlockId = int
-POLICY_VERSION = "agent-ev-1"
+
+
+class PoolView(Protocol):
+    """What receipts read from the pool: which leading blocks are still cached, and the
+    tombstones of evicted ones (None: not kept)."""
+
+    tombstones: Tombstones | None
+    num_evictions: int
+
+    @property
+    def index(self) -> Mapping[BlockHash, int]: ...
+
+    def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
 class ResidencyConfig:
-    budget: float = 0.9  # share of the pool's blocks paused trajectories may protect
+    budget: float = 0.9  # share of the pool's blocks paused trajectories' free blocks may fill
+    release_below: float = 0.02  # P(return within the horizon) under which a pause is not protected
+    max_protected: int = 4_096  # protected trajectories at most: bounds the order's sort per step
+    reorder_s: float = 0.0  # re-sort the eviction order once it is this old (0: whenever time moved;
+    # 1 s of staleness cost 5% more recompute on the odd Claude Code files, and sorting is cheap)
     max_idle_s: float = 3_600.0  # protection ends after this long paused
     min_horizon_s: float = 1.0
     churn_halflife_s: float = 30.0
+    block_size: int = 16  # tokens per block, for receipts
+    rates: CostRates = field(default_factory=CostRates)
 
 
-@dataclass(frozen=True, slots=True)
-class CacheAdvice:
-    """What the policy decided for a trajectory at a tool boundary (recorded, never enforced
-    beyond the eviction order)."""
+@dataclass(slots=True)
+class _Pause:
+    """An open pause: from its response to its return, or its leaving."""
 
-    action: str  # retain | release
-    expected_value: float  # blocks expected to be reused
-    p_return: float
-    ttl_ms: int
-    reason: str
-    policy_version: str = POLICY_VERSION
+    start_s: float
+    pause_class: str
+    hashes: tuple[BlockHash, ...]
+    advice: CacheAdvice
+    expected_return_s: float | None = None  # a harness's hint, absolute
+    returned_s: float | None = None  # tool_finished came before its request: observed then
 
 
 @dataclass(slots=True)
 class Residency:
     """Registry + return estimator + the state the eviction order needs (which hash is held by
-    which protected trajectories). Owned by one pool; fed by lifecycle calls."""
+    which protected trajectories). Owned by one pool; fed by lifecycle calls from one thread
+    (the engine's, in the server)."""
 
     num_blocks: int
     clock: Callable[[], float]
     config: ResidencyConfig = field(default_factory=ResidencyConfig)
     registry: TrajectoryRegistry = field(default_factory=TrajectoryRegistry)
     estimator: ReturnEstimator = field(default_factory=ReturnEstimator)
+    timer: Callable[[], float] = time.perf_counter  # measures the policy's own cost
     holders: dict[BlockHash, int] = field(default_factory=dict)  # protected trajectories holding it
     protected: dict[TrajectoryKey, Trajectory] = field(default_factory=dict)
     listener: Callable[[Sequence[BlockHash]], None] | None = None  # hashes whose holders changed
-    _churn_rate: float = 0.0  # blocks freed per second, smoothed
+    on_receipt: Callable[[DecisionReceipt], None] | None = None
+    log: list[tuple[object, ...]] | None = None  # when a list: every decision, in order (tests)
+    # when set: at every pause, the new pause and the eviction-order key of every protected
+    # trajectory then (prediction-quality reports; costs a pass over them per pause)
+    on_pause: Callable[[TrajectoryKey, float, list[tuple[TrajectoryKey, tuple[float, float]]]], None] | None = None
+    pool: PoolView | None = None  # set by attach(); receipts then count resident blocks
+    policy_s: float = 0.0  # time spent in the policy (lifecycle calls and held-block pops)
+    policy_calls: int = 0
+    version: int = 0  # bumped whenever a protection or a state changes (the eviction order's cache)
+    num_receipts: int = 0
+    _pauses: dict[TrajectoryKey, _Pause] = field(default_factory=dict)
+    # the last block of each paused trajectory's last sequence, and of its last prompt -> it
+    _tails: dict[BlockHash, TrajectoryKey] = field(default_factory=dict)
+    _tail_of: dict[TrajectoryKey, tuple[BlockHash, ...]] = field(default_factory=dict)
+    _anon: Iterator[int] = field(default_factory=itertools.count)
+    _churn_rate: float = 0.0  # blocks evicted per second, smoothed
     _churn_t: float | None = None
-    _protected_blocks: int = 0
+    _evictions_seen: int = 0
+    _protected_blocks: int = 0  # hashes of protected trajectories' last sequences (stats)
+
+    def attach(self, pool: PoolView) -> None:
+        self.pool = pool
+
+    def _timed(self, start: float) -> None:
+        self.policy_s += self.timer() - start
+        self.policy_calls += 1
+
+    # identity --------------------------------------------------------------------------
+    def anonymous(self, tenant: str) -> TrajectoryKey:
+        return TrajectoryKey(tenant, f"anon-{next(self._anon)}")
+
+    def identify(self, prompt_hashes: Sequence[BlockHash]) -> TrajectoryKey | None:
+        """The paused trajectory whose last sequence this prompt extends, if any: an anonymous
+        request's trajectory. "Extends" is at least its last prompt whole: a chat template
+        re-renders the reply it generated (a tool call in the template's own format), so the
+        reply's own blocks rarely match; the deepest match wins. Hashes are chained and
+        salted, so a match means the same tenant and the same whole prefix."""
+        tails = self._tails
+        for h in reversed(prompt_hashes):
+            key = tails.get(h)
+            if key is not None:
+                t = self.registry.get(key)
+                if t is not None and t.paused:
+                    return key
+        return None
 
     # lifecycle -------------------------------------------------------------------------
-    def on_request(self, key: TrajectoryKey, parent: TrajectoryKey | None = None) -> Trajectory:
+    def on_request(self, key: TrajectoryKey, parent: TrajectoryKey | None = None,
+                   session: str | None = None) -> Trajectory:
+        start = self.timer()
         now = self.clock()
-        t = self.registry.get(key)
-        if t is not None and t.paused and t.last_response_s is not None and t.pause_class is not None:
-            self.estimator.observe_return(t.pause_class, now - t.last_response_s)
+        self._close(key, "returned", now)
         # Still protected, now at full value: a request that waits in the queue needs its
         # blocks next (they leave the eviction order once the scheduler takes them); its
         # response replaces them with the new sequence.
-        t, dropped = self.registry.request(key, now, parent)
+        t, dropped = self.registry.request(key, now, parent, session)
+        self.version += 1  # running: full value
         for old in dropped:
-            self._forget(old, now)
+            self._forget(old, "dropped", now)
+        self._timed(start)
         return t
 
     def on_response(self, key: TrajectoryKey, hashes: Sequence[BlockHash], state: State,
-                    pause_class: str | None) -> CacheAdvice | None:
+                    pause_class: str | None, expected_s: float | None = None,
+                    prompt_blocks: int | None = None) -> CacheAdvice | None:
+        """Its response ended: paused on a tool of `pause_class`, waiting for a human, or done.
+        expected_s: a harness's hint of how long the pause lasts; prompt_blocks: how many of
+        `hashes` were its prompt's (for identify)."""
+        start = self.timer()
         now = self.clock()
         cls = self.estimator.class_of(pause_class) if pause_class is not None else None
-        self._unprotect(key)  # before its hashes change: holders count the old sequence
+        old = self.protected.get(key)
+        grown = None  # the new sequence extends the protected old one: only its new blocks change
+        if old is not None and state in PAUSED and cls is not None and len(hashes) >= len(old.hashes) \
+                and tuple(hashes[: len(old.hashes)]) == old.hashes:
+            grown = len(old.hashes)
+        else:
+            self._unprotect(key)  # before its hashes change: holders count the old sequence
+        self._untail(key)
         t = self.registry.respond(key, now, hashes, state, cls)
-        if t is None or not t.paused:
-            return None
-        self._protect(t)
-        advice = self._advise(t, now)
-        self._enforce_budget(now)
+        if grown is not None and t is not None:
+            self._extend(t, grown)
+        advice = None
+        if t is not None and t.paused and cls is not None:
+            tails = {t.hashes[-1]} if t.hashes else set()
+            if prompt_blocks and prompt_blocks <= len(t.hashes):
+                tails.add(t.hashes[prompt_blocks - 1])
+            for h in tails:
+                self._tails[h] = key
+            self._tail_of[key] = tuple(tails)
+            advice = self._pause(t, cls, now, expected_s)
+        self._timed(start)
         return advice
 
-    def on_end(self, key: TrajectoryKey, state: State) -> None:
-        """trajectory_finished / cancelled: protection released at once."""
+    def on_abandoned(self, key: TrajectoryKey) -> None:
+        """Its request failed or was aborted before a response: it waits, unprotected, with the
+        sequence it had (a retry resends that)."""
         t = self.registry.get(key)
-        if t is not None and t.paused and t.pause_class is not None and t.last_response_s is not None:
-            self.estimator.observe_censored(t.pause_class, self.clock() - t.last_response_s)
+        if t is not None and t.state is State.RUNNING:
+            self._unprotect(key)
+            self.registry.respond(key, self.clock(), t.hashes, State.WAITING_HUMAN, None)
+
+    def on_event(self, key: TrajectoryKey, event: Event, tool_class: str | None = None,
+                 expected_s: float | None = None) -> Outcome:
+        """A harness's lifecycle event. Raises KeyError for a trajectory it does not know
+        (model_started opens one)."""
+        start = self.timer()
+        now = self.clock()
+        t = self.registry.get(key)
+        try:
+            if t is None:
+                if event is not Event.MODEL_STARTED:
+                    raise KeyError(key)
+                self.registry.request(key, now)
+                return Outcome.APPLIED
+            if t.state in (State.FINISHED, State.CANCELLED):
+                return Outcome.DUPLICATE if event in _ENDS and _ENDS[event] is t.state else Outcome.OUT_OF_ORDER
+            if event in _ENDS:
+                self.on_end(key, _ENDS[event])
+                return Outcome.APPLIED
+            pause = self._pauses.get(key)
+            if event is Event.TOOL_STARTED:
+                if not t.paused:
+                    return Outcome.OUT_OF_ORDER  # its response has not ended yet
+                cls = self.estimator.class_of(tool_class) if tool_class is not None else None
+                if pause is not None and pause.returned_s is None and (cls is None or cls == pause.pause_class) \
+                        and expected_s is None:
+                    return Outcome.DUPLICATE
+                # the harness names the tool (or its duration): the pause is re-advised
+                self._unprotect(key)
+                self._pauses.pop(key, None)
+                t.state, t.pause_class = State.PAUSED_TOOL, cls or t.pause_class or "other"
+                self._pause(t, t.pause_class, t.last_response_s if t.last_response_s is not None else now,
+                            expected_s, now)
+                return Outcome.APPLIED
+            if event is Event.TOOL_FINISHED or event is Event.MODEL_STARTED:
+                if pause is None or pause.returned_s is not None:
+                    return Outcome.DUPLICATE if pause is not None or t.state is State.RUNNING else Outcome.OUT_OF_ORDER
+                # it returns now: the gap is observed; kept at full value until its request
+                pause.returned_s = now
+                self.estimator.observe_return(pause.pause_class, now - pause.start_s)
+                t.state = State.RUNNING
+                self.version += 1
+                return Outcome.APPLIED
+            raise AssertionError(event)
+        finally:
+            self._timed(start)
+
+    def on_end(self, key: TrajectoryKey, state: State) -> None:
+        """trajectory_finished / cancelled / its session closed: protection released at once."""
+        now = self.clock()
+        self._close(key, state.value, now)
         self._unprotect(key)
         self.registry.end(key, state)
+        self._untail(key)
 
     def expire(self) -> None:
+        start = self.timer()
         now = self.clock()
         for t in self.registry.expire(now):
-            self._forget(t, now)
-        for key, t in list(self.protected.items()):
-            if t.last_response_s is not None and now - t.last_response_s > self.config.max_idle_s:
-                self._forget(t, now, keep=True)
+            self._forget(t, "expired", now)
+        for key, pause in list(self._pauses.items()):
+            if now - pause.start_s > self.config.max_idle_s:
+                self._close(key, "expired", now)
+                self._unprotect(key)
+        waits: dict[str, list[float]] = {}  # pauses still open count as censored at their wait
+        for pause in self._pauses.values():
+            if pause.returned_s is None:
+                waits.setdefault(pause.pause_class, []).append(now - pause.start_s)
+        self.estimator.set_open(waits)
+        self.version += 1
+        self._timed(start)
 
-    def _forget(self, t: Trajectory, now: float, keep: bool = False) -> None:
-        """It left unreturned (expired, dropped): censored at its wait, protection released."""
-        if t.paused and t.pause_class is not None and t.last_response_s is not None:
-            self.estimator.observe_censored(t.pause_class, now - t.last_response_s)
-            if keep:
-                t.pause_class = None  # observed once; it stays in the registry, unprotected
+    def _forget(self, t: Trajectory, outcome: str, now: float) -> None:
+        """It left the registry unreturned: censored at its wait, protection released."""
+        self._close(t.key, outcome, now)
         self._unprotect(t.key)
+        self._untail(t.key)
+
+    def _untail(self, key: TrajectoryKey) -> None:
+        for h in self._tail_of.pop(key, ()):
+            if self._tails.get(h) == key:
+                del self._tails[h]
+
+    # pauses, advice, receipts ----------------------------------------------------------
+    def _pause(self, t: Trajectory, cls: str, start_s: float, expected_s: float | None,
+               now: float | None = None) -> CacheAdvice:
+        now = start_s if now is None else now
+        expected = None if expected_s is None else start_s + min(expected_s, self.config.max_idle_s)
+        advice = self._advise(t, cls, start_s, now, expected)
+        if advice.p_return < self.config.release_below:
+            advice = self._advise(t, cls, start_s, now, expected, "release",
+                                  f"paused ({cls}); P(return within {self.horizon_s():.0f} s) = "
+                                  f"{advice.p_return:.3f} < {self.config.release_below}: not protected")
+        self._pauses[t.key] = _Pause(start_s, cls, t.hashes, advice, expected)
+        if advice.action == "retain":
+            if t.key not in self.protected:
+                self._protect(t)
+            if len(self.protected) > self.config.max_protected:  # the lowest-ranked one loses it
+                low = min(self.protected.values(), key=lambda x: self.rank(x, now))
+                self._unprotect(low.key)
+                if low.key in self._pauses:
+                    p = self._pauses[low.key]
+                    p.advice = low.advice = self._advise(
+                        low, p.pause_class, p.start_s, now, p.expected_return_s, "release",
+                        f"more than {self.config.max_protected} paused trajectories: the least likely to return")
+                if low is t:
+                    advice = t.advice
+        else:
+            self._unprotect(t.key)
+        t.advice = advice
+        if self.on_pause is not None:
+            self.on_pause(t.key, start_s, [(x.key, self.rank(x, now)) for x in self.protected.values()
+                                           if x.key in self._pauses])
+        if self.log is not None:
+            self.log.append((now, "advice", t.key.id, cls, advice.action, round(advice.p_return, 9), len(t.hashes)))
+        return advice
+
+    def _advise(self, t: Trajectory, cls: str, start_s: float, now: float, expected: float | None,
+                action: str = "retain", why: str = "") -> CacheAdvice:
+        h = self.horizon_s()
+        p = self._p_return(cls, now - start_s, h, expected, now)
+        hint = "" if expected is None else f", expected back in {expected - now:.0f} s (hint)"
+        return CacheAdvice(action, p * len(t.hashes), p, int(self.config.max_idle_s * 1000),
+                           why or f"paused ({cls}){hint}; P(return within {h:.0f} s) = {p:.2f}",
+                           start_s, cls, len(t.hashes), self.estimator.quantile(cls, 0.5),
+                           self.estimator.samples(cls))
+
+    def _close(self, key: TrajectoryKey, outcome: str, now: float) -> None:
+        """Settle its open pause: returned (observed now unless tool_finished already did) or
+        left (censored at its wait)."""
+        pause = self._pauses.pop(key, None)
+        if pause is None:
+            return
+        returned = outcome == "returned" or pause.returned_s is not None
+        back = pause.returned_s if pause.returned_s is not None else now
+        gap = back - pause.start_s
+        cdf = 1.0 - self.estimator.survival(pause.pause_class, gap)  # before this one counts
+        if pause.returned_s is None:
+            if returned:
+                self.estimator.observe_return(pause.pause_class, gap)
+            else:
+                self.estimator.observe_censored(pause.pause_class, gap)
+        pool = self.pool
+        resident, evictions = len(pause.hashes), []
+        if pool is not None:
+            resident = len(pool.match_prefix(pause.hashes))
+            if pool.tombstones is not None:
+                for h in pause.hashes:
+                    stone = pool.tombstones.get(h)
+                    if stone is not None and stone.time_s >= pause.start_s:
+                        evictions.append((stone.time_s - pause.start_s, stone.policy))
+        receipt = settle(key.id, pause.advice, "returned" if returned else outcome, gap, cdf, resident,
+                         evictions, self.config.block_size, self.config.rates)
+        self.num_receipts += 1
+        t = self.registry.get(key)
+        if t is not None:
+            t.receipts.append(receipt)
+        if self.on_receipt is not None:
+            self.on_receipt(receipt)
 
     # protection ------------------------------------------------------------------------
+    def _extend(self, t: Trajectory, old_len: int) -> None:
+        """It stays protected, its sequence grown from old_len blocks to t.hashes."""
+        self.version += 1
+        holders = self.holders
+        new = t.hashes[old_len:]
+        for h in new:
+            holders[h] = holders.get(h, 0) + 1
+        self._protected_blocks += len(new)
+        if self.listener is not None:
+            self.listener(new)
+
     def _protect(self, t: Trajectory) -> None:
         assert t.key not in self.protected
+        self.version += 1
         self.protected[t.key] = t
         holders = self.holders
         for h in t.hashes:
@@ -135,6 +384,7 @@ class Residency:
         t = self.protected.pop(key, None)
         if t is None:
             return
+        self.version += 1
         holders = self.holders
         for h in t.hashes:
             n = holders[h] - 1
@@ -146,53 +396,113 @@ class Residency:
         if self.listener is not None:
             self.listener(t.hashes)
 
-    def _enforce_budget(self, now: float) -> None:
-        cap = self.config.budget * self.num_blocks
-        if self._protected_blocks <= cap:
-            return
-        for t in sorted(self.protected.values(), key=lambda t: self.value(t, now)):
-            if self._protected_blocks <= cap:
-                break
-            self._unprotect(t.key)
-
     # value -----------------------------------------------------------------------------
-    def on_freed(self, n: int) -> None:
-        """n cached blocks were freed now: the churn that sets the horizon."""
-        now = self.clock()
+    def _churn(self) -> float:
+        """Blocks evicted per second, smoothed (half-life churn_halflife_s), read from the
+        pool's eviction count: evictions, not frees, set how long a block stays (a request
+        frees its whole prefix again at every finish, and most of that is hit again)."""
+        pool = self.pool
+        if pool is None:
+            return self._churn_rate
+        now, n = self.clock(), pool.num_evictions
         if self._churn_t is None:
-            self._churn_t = now
+            self._churn_t, self._evictions_seen = now, n
+            return self._churn_rate
+        if now == self._churn_t and n == self._evictions_seen:
+            return self._churn_rate
         dt = now - self._churn_t
-        decay = math.exp(-dt * math.log(2) / self.config.churn_halflife_s) if dt > 0 else 1.0
-        # rate as an exponentially weighted count per second
-        self._churn_rate = self._churn_rate * decay + n * (math.log(2) / self.config.churn_halflife_s)
-        self._churn_t = now
+        k = math.log(2) / self.config.churn_halflife_s
+        decay = math.exp(-dt * k) if dt > 0 else 1.0
+        self._churn_rate = self._churn_rate * decay + (n - self._evictions_seen) * k
+        self._churn_t, self._evictions_seen = now, n
+        return self._churn_rate
 
     def horizon_s(self) -> float:
-        """How long a block freed now stays resident at the current churn."""
-        if self._churn_rate <= 0:
+        """How long a block freed now stays resident at the current churn: the pool turned
+        over once at the rate blocks are evicted (1 h while nothing is evicted)."""
+        rate = self._churn()
+        if rate <= 0:
             return self.config.max_idle_s
-        return max(self.config.min_horizon_s, min(self.config.max_idle_s, self.num_blocks / self._churn_rate))
+        return max(self.config.min_horizon_s, min(self.config.max_idle_s, self.num_blocks / rate))
+
+    def _p_return(self, cls: str, waited_s: float, horizon_s: float, expected: float | None,
+                  now: float) -> float:
+        """P(return within the horizon). A harness's duration hint replaces the class's
+        estimate: certain when the expected return is within the horizon, else horizon / time left."""
+        if expected is not None:
+            left = expected - now
+            return 1.0 if left <= horizon_s else horizon_s / left
+        return self.estimator.p_return_within(cls, waited_s, horizon_s)
+
+    def p_keep(self, t: Trajectory, now: float, fresh_of: dict[str, float] | None = None) -> float:
+        """P(it returns within the horizon), never above what it was at the pause: the
+        estimate conditioned on the wait so far, capped by the unconditioned one. The cap
+        makes a longer wait never look better than a fresh pause of the same class, which the
+        life table's bin noise otherwise allows (see `rank`). fresh_of: a cache of the
+        unconditioned P per class, valid for one moment (one sort)."""
+        if t.state is State.RUNNING:
+            return 1.0  # returned: needed now
+        pause = self._pauses.get(t.key)
+        if pause is None:
+            return 0.0
+        h = self.horizon_s()
+        cls, expected = pause.pause_class, pause.expected_return_s
+        if expected is None and fresh_of is not None:
+            fresh = fresh_of.get(cls)
+            if fresh is None:
+                fresh = fresh_of[cls] = self._p_return(cls, 0.0, h, None, now)
+        else:
+            fresh = self._p_return(cls, 0.0, h, expected, pause.start_s)
+        waited = self._p_return(cls, now - pause.start_s, h, expected, now)
+        return min(fresh, waited)
 
     def value(self, t: Trajectory, now: float) -> float:
-        """Expected blocks reused if kept: P(return within the horizon) x its blocks (ranking
-        by P alone, per block, measured worse on the Claude Code fixture and the 40-session set)."""
-        if t.state is State.RUNNING:
-            return float(len(t.hashes))  # returned: needed now
-        if t.pause_class is None or t.last_response_s is None:
-            return 0.0
-        p = self.estimator.p_return_within(t.pause_class, now - t.last_response_s, self.horizon_s())
-        return p * len(t.hashes)
+        """The expected value of keeping it: blocks expected to be reused."""
+        return self.p_keep(t, now) * len(t.hashes)
 
-    def _advise(self, t: Trajectory, now: float) -> CacheAdvice:
-        h = self.horizon_s()
-        assert t.pause_class is not None
-        p = self.estimator.p_return_within(t.pause_class, 0.0, h)
-        return CacheAdvice("retain", p * len(t.hashes), p, int(self.config.max_idle_s * 1000),
-                           f"paused ({t.pause_class}); P(return within {h:.0f} s) = {p:.2f}")
+    def rank(self, t: Trajectory, now: float, fresh_of: dict[str, float] | None = None) -> tuple[float, float]:
+        """The eviction order's key, lowest first: P(return within the horizon) per block (to two
+        decimals), then the pause's recency. Ranking by the value itself (P x blocks) or by P
+        with the life table's own waits ordered returns worse than recency alone on the
+        odd-numbered Claude Code files; this orders them better (docs/residency.md)."""
+        p = self.p_keep(t, now, fresh_of)
+        pause = self._pauses.get(t.key)
+        return (round(p, 2), now if t.state is State.RUNNING or pause is None else pause.start_s)
+
+    # views -----------------------------------------------------------------------------
+    def describe(self, key: TrajectoryKey) -> dict[str, object] | None:
+        t = self.registry.get(key)
+        if t is None:
+            return None
+        now = self.clock()
+        return {
+            "id": t.key.id, "state": t.state.value, "pause_class": t.pause_class,
+            "parent_trajectory_id": None if t.parent is None else t.parent.id,
+            "sessions": sorted(t.sessions), "num_requests": t.num_requests, "blocks": len(t.hashes),
+            "protected": key in self.protected, "expected_value": round(self.value(t, now), 3),
+            "created": t.created_s, "last_request": t.last_request_s, "last_response": t.last_response_s,
+            "advice": None if t.advice is None else t.advice.as_dict(),
+            "receipts": [r.as_dict() for r in t.receipts]}
+
+    def stats(self) -> dict[str, object]:
+        states: dict[str, int] = {}
+        for t in self.registry:
+            states[t.state.value] = states.get(t.state.value, 0) + 1
+        return {"policy_version": POLICY_VERSION, "trajectories": len(self.registry), "states": states,
+                "protected": len(self.protected), "protected_hashes": self._protected_blocks,
+                "num_blocks": self.num_blocks, "budget": self.config.budget, "horizon_s": round(self.horizon_s(), 3),
+                "dropped": self.registry.num_dropped, "expired": self.registry.num_expired,
+                "receipts": self.num_receipts, "policy_seconds": round(self.policy_s, 6),
+                "policy_calls": self.policy_calls, "classes": self.estimator.stats()}
+
+
+_ENDS = {Event.TRAJECTORY_FINISHED: State.FINISHED, Event.TRAJECTORY_CANCELLED: State.CANCELLED}
 
 
 class AgentEviction:
     """The pool's EvictionPolicy with a Residency behind it (module docstring)."""
+
+    name = POLICY_VERSION
 
     def __init__(self, residency: Residency) -> None:
         self.residency = residency
@@ -202,9 +512,14 @@ class AgentEviction:
         self._lru: OrderedDict[BlockId, None] = OrderedDict()  # unprotected, least recently freed first
         self._held: set[BlockId] = set()  # free, cached, held by a protected trajectory
         self.num_protected_evictions = 0
+        self.num_budget_evictions = 0  # of those, taken before unprotected blocks (over the budget)
+        self._order: list[Trajectory] = []
+        self._order_version, self._order_t = -1, -math.inf
+        self._gone: dict[TrajectoryKey, tuple[tuple[BlockHash, ...], int]] = {}  # evicted tail marks
+        self._behind: dict[BlockHash, set[TrajectoryKey]] = {}  # hash -> marks that skip it
 
     def push(self, block_ids: Sequence[BlockId], hash_of: Sequence[BlockHash | None]) -> None:
-        holders = self.residency.holders
+        holders, behind = self.residency.holders, self._behind
         for b in block_ids:
             h = hash_of[b]
             assert h is not None
@@ -212,9 +527,11 @@ class AgentEviction:
             self._block[h] = b
             if h in holders:
                 self._held.add(b)
+                if behind:
+                    for key in behind.pop(h, ()):  # computed again behind its holders' marks
+                        self._gone.pop(key, None)
             else:
                 self._lru[b] = None
-        self.residency.on_freed(len(block_ids))
 
     def remove(self, block_ids: Sequence[BlockId]) -> None:
         for b in block_ids:
@@ -237,42 +554,101 @@ class AgentEviction:
                     self._held.add(b)
             elif b in self._held:
                 self._held.discard(b)
-                self._lru[b] = None  # released: as if freed now
+                # released: as if freed now (at the head instead measured no different on the
+                # odd Claude Code files: a finished sub-agent's blocks serve the next one's prompt)
+                self._lru[b] = None
 
     def pop(self, n: int) -> list[BlockId]:
+        res = self.residency
         out: list[BlockId] = []
+        over = len(self._held) - int(res.config.budget * res.num_blocks)
+        if over > 0:  # protected blocks past the budget: the least valuable go before unprotected ones
+            start = res.timer()
+            out += self._pop_held(min(n, over))
+            res._timed(start)
+            self.num_budget_evictions += len(out)
         lru = self._lru
         while lru and len(out) < n:
             out.append(lru.popitem(last=False)[0])
         if len(out) < n:
+            start = res.timer()
             out += self._pop_held(n - len(out))
+            res._timed(start)
+        log = self.residency.log
+        if log is not None:
+            log.append((self.residency.clock(), "evict", tuple(self._hash[b] for b in out)))
         for b in out:
             del self._block[self._hash.pop(b)]
         return out
 
+    def _ranked(self, now: float) -> list[Trajectory]:
+        """Protected trajectories, lowest value first. Re-sorted when the protected set or a
+        state changed, or after `reorder_s`: values drift slowly, and a sort per allocation
+        was most of the policy's cost."""
+        res = self.residency
+        if res.version != self._order_version or now - self._order_t > res.config.reorder_s:
+            fresh_of: dict[str, float] = {}  # one unconditioned P per class for the whole sort
+            self._order = sorted(res.protected.values(), key=lambda t: res.rank(t, now, fresh_of))
+            self._order_version, self._order_t = res.version, now
+        return self._order
+
     def _pop_held(self, n: int) -> list[BlockId]:
         """Lowest-value paused trajectories first, tail first; a shared block goes with its most
-        valuable holder, i.e. once every less valuable holder has been passed."""
+        valuable holder, i.e. once every less valuable holder has been passed. Each
+        trajectory's evicted tail is skipped from where the last walk found it (`_gone`); a
+        walk that comes up short (a block published again behind that mark) walks again in full.
+        Without a pool attached there are no marks (the tail's blocks may only be in use)."""
+        out = self._walk(n, self._gone if self.residency.pool is not None else None)
+        if len(out) < n:
+            self._gone.clear()
+            self._behind.clear()
+            out += self._walk(n - len(out), None)
+        if len(out) < n:  # every held block's hash has a protected holder: unreachable
+            raise AssertionError(f"asked for {n} held blocks, found {len(out)}")
+        self.num_protected_evictions += n
+        return out
+
+    def _walk(self, n: int, gone: dict[TrajectoryKey, tuple[tuple[BlockHash, ...], int]] | None) -> list[BlockId]:
         res = self.residency
-        now = res.clock()
-        holders = res.holders
+        holders, block, held = res.holders, self._block, self._held
+        cached = res.pool.index if res.pool is not None else block  # in the pool at all, used or free
+        behind = self._behind
         passed: dict[BlockHash, int] = {}  # less valuable holders already passed, per shared hash
         out: list[BlockId] = []
-        for t in sorted(res.protected.values(), key=lambda t: res.value(t, now)):
-            for h in reversed(t.hashes):
+        for t in self._ranked(res.clock()):
+            if t.key not in res.protected:
+                continue
+            hashes = t.hashes
+            i = len(hashes)
+            if gone is not None:
+                mark = gone.get(t.key)
+                if mark is not None and mark[0] is hashes:
+                    i = mark[1]
+            tail = True  # still inside its evicted tail (hashes no longer in the pool)
+            while i > 0:
+                h = hashes[i - 1]
+                if tail and h not in cached:  # evicted: the mark may move past it
+                    if gone is not None:  # a push of h (computed again) must undo the mark
+                        behind.setdefault(h, set()).add(t.key)
+                    i -= 1
+                    continue
+                b = block.get(h)
+                if tail and gone is not None:
+                    gone[t.key] = (hashes, i)
+                    tail = False
+                i -= 1
                 k = passed.get(h, 0) + 1
                 if k < holders[h]:
                     passed[h] = k
                     continue
-                b = self._block.get(h)
-                if b is not None and b in self._held:
-                    self._held.discard(b)
+                if b is not None and b in held:
+                    held.discard(b)
                     out.append(b)
                     if len(out) == n:
-                        self.num_protected_evictions += n
                         return out
-        # every held block's hash has a protected holder, so the walk above reaches all of them
-        raise AssertionError(f"asked for {n} held blocks, found {len(out)}")
+            if tail and gone is not None:
+                gone[t.key] = (hashes, 0)
+        return out
 
     def __len__(self) -> int:
         return len(self._lru) + len(self._held)
@@ -281,3 +657,22 @@ class AgentEviction:
         """Eviction order: unprotected LRU, then held (order decided at pop time)."""
         yield from self._lru
         yield from self._held
+
+
+MODES = ("off", "shadow", "on")
+
+
+def build_residency(mode: str, num_blocks: int, block_size: int, clock: Callable[[], float],
+                    config: ResidencyConfig | None = None) -> tuple[Residency | None, AgentEviction | None]:
+    """The residency policy for one pool, as the server and the simulator both build it:
+    off: none (plain LRU); shadow: advice and receipts while the pool stays LRU; on: the pool
+    evicts in the agent order (AgentEviction)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown residency mode {mode!r}; use one of {', '.join(MODES)}")
+    if mode == "off":
+        return None, None
+    cfg = config or ResidencyConfig()
+    if cfg.block_size != block_size:
+        cfg = dataclasses.replace(cfg, block_size=block_size)
+    residency = Residency(num_blocks, clock, cfg)
+    return residency, AgentEviction(residency) if mode == "on" else None

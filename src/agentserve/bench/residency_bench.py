@@ -1,0 +1,265 @@
+"""`agentserve bench residency`: concurrent agent sessions against the real server with
+`--residency off | shadow | on`, on a KV pool too small for all of them.
+
+Each session replays one real Claude Code session's turn sequence (taken from the even-numbered
+trace files: the odd ones are for tuning): its stop reasons decide each turn's request (a tool
+call, forced with `tool_choice: required`, or an answer), and its real gaps, scaled down by
+`time_scale` and capped, separate the turns (closed loop: a gap starts when the response
+arrives). Contents are synthetic: a per-session system prompt, a task, tool results of a few
+hundred tokens, follow-ups. Sessions carry `prompt_cache_key` (the identity an OpenAI client sends).
+
+Per run: session JCT (first request to last response), later-turn TTFT (the server's
+arrival-to-first-token, turns after the first), recomputed tokens (a turn's cached full blocks
+of the previous prompt it resends, which is a prefix of it, that were not reused). Modes run in
+turn for each seed, so slow drift of a shared machine spreads over all of them. Figures are
+means over seeds with 95% t-intervals, and the per-seed ratios to `off`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from agentserve.bench.served import served
+
+BASH = {"type": "function", "function": {"name": "bash", "description": "Run a shell command in the repository",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
+WORDS = ("src", "test", "config", "module", "build", "cache", "parser", "server", "client", "index", "router",
+         "schema", "token", "block", "engine", "report", "driver", "handler", "worker", "queue")
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """One session: the stop reason of each turn and the gap before each later turn."""
+
+    name: str
+    stops: tuple[str, ...]  # tool_use | end_turn, per turn
+    gaps_s: tuple[float, ...]  # before turns 1..n-1, already scaled
+
+
+def real_sequences(trace_dir: Path, even: bool = True, max_files: int = 200) -> list[list[tuple[str, float]]]:
+    """(stop reason, the real gap after it) sequences of top-level Claude Code sessions."""
+    from agentserve.workload.claude_code import read_claude_code
+
+    files = sorted(p for p in trace_dir.glob("trace_*.json*") if (int(p.name[6:10]) % 2 == 0) == even)
+    workload = read_claude_code(files[:max_files])
+    out = []
+    for s in workload.sessions:
+        seq = [(s.turns[j].stop.value, s.turns[j + 1].think_s) for j in range(len(s.turns) - 1)]
+        seq = [(stop if stop in ("tool_use", "end_turn") else "end_turn", gap) for stop, gap in seq]
+        if len(seq) >= 3:
+            out.append(seq)
+    return out
+
+
+def scripts(sequences: list[list[tuple[str, float]]], n: int, turns: int, time_scale: float, max_gap_s: float,
+            rng: random.Random) -> list[Script]:
+    out = []
+    for i in range(n):
+        seq = rng.choice(sequences)
+        start = rng.randrange(0, max(1, len(seq) - turns + 1))
+        part = (seq[start:] + seq[:start])[:turns]
+        while len(part) < turns:
+            part += seq[: turns - len(part)]
+        stops = tuple(stop for stop, _ in part)
+        gaps = tuple(min(max_gap_s, gap * time_scale) for _, gap in part[:-1])
+        out.append(Script(f"s{i}-{rng.randrange(1 << 30):08x}", stops, gaps))
+    return out
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) + (f"_{rng.randrange(100)}" if rng.random() < 0.3 else "")
+                    for _ in range(words))
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    session: str
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    eligible_tokens: int
+    ttft_ms: float | None
+    latency_s: float
+    status: int
+
+
+async def run_session(client: httpx.AsyncClient, model: str, script: Script, start_delay_s: float,
+                      system_words: int, result_words: int, max_tokens: int, seed: int) -> tuple[float, list[TurnRecord]]:
+    rng = random.Random(f"{seed}-{script.name}")
+    await asyncio.sleep(start_delay_s)
+    messages = [{"role": "system", "content": f"You are coding agent {script.name}. Repository notes: "
+                                              + _text(rng, system_words)},
+                {"role": "user", "content": "Task: " + _text(rng, 30)}]
+    records: list[TurnRecord] = []
+    prev_prompt = 0
+    t0 = time.monotonic()
+    for j, stop in enumerate(script.stops):
+        if j:
+            await asyncio.sleep(script.gaps_s[j - 1])
+        body = {"model": model, "messages": messages, "tools": [BASH], "temperature": 0, "max_tokens": max_tokens,
+                "tool_choice": "required" if stop == "tool_use" else "none", "prompt_cache_key": script.name}
+        sent = time.monotonic()
+        r = await client.post("/v1/chat/completions", json=body)
+        latency = time.monotonic() - sent
+        if r.status_code != 200:
+            records.append(TurnRecord(script.name, j, 0, 0, 0, None, latency, r.status_code))
+            break
+        reply = r.json()
+        u = reply["usage"]
+        eligible = (prev_prompt // 16) * 16
+        records.append(TurnRecord(script.name, j, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
+                                  eligible, u["agentserve"]["time_to_first_token_ms"], latency, 200))
+        prev_prompt = u["prompt_tokens"]
+        msg = reply["choices"][0]["message"]
+        calls = msg.get("tool_calls") or []
+        if calls:
+            messages.append({"role": "assistant", "content": msg.get("content") or "", "tool_calls": calls[:1]})
+            messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": _text(rng, result_words)})
+        else:
+            messages.append({"role": "assistant", "content": msg.get("content") or ""})
+            messages.append({"role": "user", "content": "Next: " + _text(rng, 25)})
+    return time.monotonic() - t0, records
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    mode: str
+    seed: int
+    jct_p50_s: float
+    jct_p99_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    recomputed_tokens: int
+    eligible_tokens: int
+    reused_tokens: int
+    errors: int
+    wall_s: float
+    receipts: int
+    policy_seconds: float
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+async def one_run(url: str, model: str, mode: str, seed: int, plans: list[Script], args) -> RunResult:
+    rng = random.Random(seed)
+    delays = [rng.uniform(0, args.stagger_s) for _ in plans]
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        results = await asyncio.gather(*[
+            run_session(client, model, s, d, args.system_words, args.result_words, args.max_tokens, seed)
+            for s, d in zip(plans, delays)])
+        stats = {}
+        if mode != "off":
+            stats = (await client.get("/v1/trajectories/stats")).json()
+    wall = time.monotonic() - t0
+    jct = [j for j, _ in results]
+    recs = [r for _, rs in results for r in rs]
+    later = [r.ttft_ms for r in recs if r.turn > 0 and r.ttft_ms is not None]
+    return RunResult(mode, seed, _pct(jct, 0.5), _pct(jct, 0.99), _pct(later, 0.5), _pct(later, 0.99),
+                     sum(max(0, r.eligible_tokens - r.cached_tokens) for r in recs),
+                     sum(r.eligible_tokens for r in recs), sum(r.cached_tokens for r in recs),
+                     sum(r.status != 200 for r in recs), wall, int(stats.get("receipts", 0)),
+                     float(stats.get("policy_seconds", 0.0)))
+
+
+def interval(xs: Sequence[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% t-interval."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, float("nan")
+    return m, T_975.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def summarize(results: list[RunResult], modes: Sequence[str]) -> str:
+    fields = [("jct_p50_s", "JCT p50 s"), ("jct_p99_s", "JCT p99 s"), ("ttft_p50_ms", "later TTFT p50 ms"),
+              ("ttft_p99_ms", "later TTFT p99 ms"), ("recomputed_tokens", "recomputed tokens")]
+    lines = ["| mode | " + " | ".join(label for _, label in fields) + " | errors |",
+             "|---|" + "---:|" * (len(fields) + 1)]
+    by = {m: [r for r in results if r.mode == m] for m in modes}
+    for m in modes:
+        cells = []
+        for f, _ in fields:
+            mean, half = interval([getattr(r, f) for r in by[m]])
+            cells.append(f"{mean:,.1f} ± {half:,.1f}")
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {sum(r.errors for r in by[m])} |")
+    if "off" in by:
+        lines += ["", "Per-seed ratio to off (mean ± 95% t-interval over seeds):", "",
+                  "| mode | " + " | ".join(label for _, label in fields) + " |", "|---|" + "---:|" * len(fields)]
+        base = {r.seed: r for r in by["off"]}
+        for m in modes:
+            if m == "off":
+                continue
+            cells = []
+            for f, _ in fields:
+                ratios = [getattr(r, f) / getattr(base[r.seed], f) for r in by[m]
+                          if r.seed in base and getattr(base[r.seed], f)]
+                mean, half = interval(ratios) if ratios else (float("nan"), float("nan"))
+                cells.append(f"{mean:.3f} ± {half:.3f}")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    trace_dir = Path(args.traces)
+    if not trace_dir.is_dir():
+        raise SystemExit(f"no trace directory {trace_dir}; pass --traces DIR (../shared/traces/weka-claude-code)")
+    sequences = real_sequences(trace_dir, even=True, max_files=args.max_files)
+    if not sequences:
+        raise SystemExit(f"no usable sessions in {trace_dir}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: list[RunResult] = []
+    for seed in range(args.seeds):
+        plans = scripts(sequences, args.sessions, args.turns, args.time_scale, args.max_gap_s, random.Random(seed))
+        order = modes if seed % 2 == 0 else list(reversed(modes))  # no mode always runs first
+        for mode in order:
+            server_args = ["--model", args.model, "--dtype", "bfloat16", "--residency", mode,
+                           "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
+                           "--max-model-len", str(args.max_model_len)]
+            with served(server_args) as srv:
+                r = asyncio.run(one_run(srv.url, args.model, mode, seed, plans, args))
+            results.append(r)
+            print(json.dumps(asdict(r)), flush=True)
+            (out_dir / "results.json").write_text(json.dumps([asdict(x) for x in results], indent=1))
+    table = summarize(results, modes)
+    (out_dir / "summary.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def add_args(p) -> None:
+    p.add_argument("--traces", default="../shared/traces/weka-claude-code")
+    p.add_argument("--max-files", type=int, default=200, help="even-numbered trace files read for gaps")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--modes", default="off,shadow,on")
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--sessions", type=int, default=12)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--time-scale", type=float, default=1 / 30, help="real gaps are multiplied by this")
+    p.add_argument("--max-gap-s", type=float, default=20.0)
+    p.add_argument("--stagger-s", type=float, default=5.0, help="sessions start uniformly within this")
+    p.add_argument("--system-words", type=int, default=250)
+    p.add_argument("--result-words", type=int, default=120)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=0.12)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--out", default="bench-residency")
