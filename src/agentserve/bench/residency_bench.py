@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -30,12 +28,13 @@ from pathlib import Path
 import httpx
 
 from agentserve.bench.served import served
+from agentserve.sim.metrics import percentile
+from agentserve.sim.sweep import mean_ci
 
 BASH = {"type": "function", "function": {"name": "bash", "description": "Run a shell command in the repository",
         "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
 WORDS = ("src", "test", "config", "module", "build", "cache", "parser", "server", "client", "index", "router",
          "schema", "token", "block", "engine", "report", "driver", "handler", "worker", "queue")
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,15 +148,6 @@ class RunResult:
     policy_seconds: float
 
 
-def _pct(xs: Sequence[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 async def one_run(url: str, model: str, mode: str, seed: int, plans: list[Script], args) -> RunResult:
     rng = random.Random(seed)
     delays = [rng.uniform(0, args.stagger_s) for _ in plans]
@@ -173,19 +163,12 @@ async def one_run(url: str, model: str, mode: str, seed: int, plans: list[Script
     jct = [j for j, _ in results]
     recs = [r for _, rs in results for r in rs]
     later = [r.ttft_ms for r in recs if r.turn > 0 and r.ttft_ms is not None]
-    return RunResult(mode, seed, _pct(jct, 0.5), _pct(jct, 0.99), _pct(later, 0.5), _pct(later, 0.99),
+    return RunResult(mode, seed, percentile(jct, 50), percentile(jct, 99), percentile(later, 50),
+                     percentile(later, 99),
                      sum(max(0, r.eligible_tokens - r.cached_tokens) for r in recs),
                      sum(r.eligible_tokens for r in recs), sum(r.cached_tokens for r in recs),
                      sum(r.status != 200 for r in recs), wall, int(stats.get("receipts", 0)),
                      float(stats.get("policy_seconds", 0.0)))
-
-
-def interval(xs: Sequence[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% t-interval."""
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return m, float("nan")
-    return m, T_975.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
 def summarize(results: list[RunResult], modes: Sequence[str]) -> str:
@@ -197,7 +180,7 @@ def summarize(results: list[RunResult], modes: Sequence[str]) -> str:
     for m in modes:
         cells = []
         for f, _ in fields:
-            mean, half = interval([getattr(r, f) for r in by[m]])
+            mean, half = mean_ci([getattr(r, f) for r in by[m]])
             cells.append(f"{mean:,.1f} ± {half:,.1f}")
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {sum(r.errors for r in by[m])} |")
     if "off" in by:
@@ -211,7 +194,7 @@ def summarize(results: list[RunResult], modes: Sequence[str]) -> str:
             for f, _ in fields:
                 ratios = [getattr(r, f) / getattr(base[r.seed], f) for r in by[m]
                           if r.seed in base and getattr(base[r.seed], f)]
-                mean, half = interval(ratios) if ratios else (float("nan"), float("nan"))
+                mean, half = mean_ci(ratios) if ratios else (float("nan"), float("nan"))
                 cells.append(f"{mean:.3f} ± {half:.3f}")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
