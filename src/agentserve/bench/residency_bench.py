@@ -194,7 +194,7 @@ def summarize(results: list[RunResult], modes: Sequence[str]) -> str:
             for f, _ in fields:
                 ratios = [getattr(r, f) / getattr(base[r.seed], f) for r in by[m]
                           if r.seed in base and getattr(base[r.seed], f)]
-                mean, half = mean_ci(ratios) if ratios else (float("nan"), float("nan"))
+                mean, half = mean_ci(ratios)
                 cells.append(f"{mean:.3f} ± {half:.3f}")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -286,10 +286,11 @@ class Residency:
         now = start_s if now is None else now
         expected = None if expected_s is None else start_s + min(expected_s, self.config.max_idle_s)
         advice = self._advise(t, cls, start_s, now, expected)
-        if advice.p_return < self.config.release_below:
-            advice = self._advise(t, cls, start_s, now, expected, "release",
-                                  f"paused ({cls}); P(return within {self.horizon_s():.0f} s) = "
-                                  f"{advice.p_return:.3f} < {self.config.release_below}: not protected")
+        if advice.p_return < self.config.release_below:  # the same estimate, only the verdict changes
+            advice = dataclasses.replace(
+                advice, action="release",
+                reason=f"paused ({cls}); P(return within {self.horizon_s():.0f} s) = "
+                       f"{advice.p_return:.3f} < {self.config.release_below}: not protected")
         self._pauses[t.key] = _Pause(start_s, cls, t.hashes, advice, expected)
         if advice.action == "retain":
             if t.key not in self.protected:
