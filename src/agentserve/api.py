@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentserve.config import CacheConfig, SchedulerConfig
+from agentserve.config import CacheConfig, SchedulerConfig, TierConfig
 from agentserve.engine.engine import Engine
+from agentserve.engine.tiers import KvTiers, build_kv_tiers
 from agentserve.engine.request import FinishReason, RequestId, RequestOutput, SamplingParams
 from agentserve.engine.scheduler import Scheduler
 from agentserve.kv.block_pool import BlockPool
+from agentserve.kv.identity import CacheIdentity
 from agentserve.kv.tombstones import Tombstones
 from agentserve.trajectory.residency import Residency, ResidencyConfig, build_residency
 
@@ -66,10 +68,12 @@ class LLM:
         cpu_kernels: bool = True,
         residency: str = "off",
         residency_config: ResidencyConfig | None = None,
+        tiers: TierConfig | None = None,
     ) -> None:
         """cpu_kernels: on CPU, build and use the C++ decode-attention kernel (model/csrc/)
         where a compiler is available; False keeps torch's SDPA. residency: off | shadow | on
-        (trajectory/residency.py; needs the prefix cache)."""
+        (trajectory/residency.py; needs the prefix cache). tiers: host and disk KV tiers
+        (engine/tiers.py; need the prefix cache)."""
         if residency != "off" and not enable_prefix_caching:
             raise ValueError(f"residency {residency!r} needs the prefix cache; drop --no-prefix-caching "
                              "or use --residency off")
@@ -106,11 +110,29 @@ class LLM:
         pool = BlockPool(built.num_blocks, block_size, eviction, tombstones)
         if self.residency is not None:
             self.residency.attach(pool)
+        self.tiers = self._build_tiers(tiers, pool, dtype, enable_prefix_caching)
         self.engine = Engine(
-            Scheduler(self.scheduler_config, pool), built.runner,
+            Scheduler(self.scheduler_config, pool, lower=self.tiers), built.runner,
             model_id=self.model_config.name, vocab_size=self.model_config.vocab_size,
-            detokenizer=_Decoder(self.tokenizer),
+            detokenizer=_Decoder(self.tokenizer), tiers=self.tiers,
         )
+
+    def _build_tiers(self, config: TierConfig | None, pool: BlockPool, dtype: str, prefix_caching: bool
+                     ) -> KvTiers | None:
+        if config is None or not config.enabled:
+            return None
+        if not prefix_caching:
+            raise ValueError("KV tiers need the prefix cache; drop --no-prefix-caching")
+        identity = CacheIdentity(model_id=self.model_config.name, dtype=dtype,
+                                 block_size=pool.block_size, layout=self.runner.kv_layout(),
+                                 kernel_options=self.runner.kernel_options())
+        return build_kv_tiers(config, self.runner, pool, identity)
+
+    def close(self) -> None:
+        """Stop the lower tiers' I/O worker (queued disk writes are finished first)."""
+        if self.tiers is not None and self.tiers.worker is not None:
+            self.tiers.worker.drain()
+            self.tiers.close()
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

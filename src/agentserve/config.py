@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,3 +73,37 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.failure_grace_s < 0:
             raise ValueError(f"failure_grace_s must be >= 0, got {self.failure_grace_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """Lower KV tiers (engine/tiers.py, docs/tiers.md). Off when both are zero / absent.
+
+    With a disk tier and no host tier, a host store of `staging_blocks` blocks still carries
+    blocks read from disk into the pool."""
+
+    host_bytes: int = 0
+    disk_dir: Path | None = None
+    disk_bytes: int = 0
+    key: bytes | None = None  # the master key (flag or environment); None: the key file
+    key_path: Path | None = None  # where the generated key lives (outside disk_dir)
+    encrypt: bool = False  # AES-GCM on disk (always HMAC-SHA256)
+    max_queued_jobs: int = 256  # the I/O worker's queue
+    staging_blocks: int = 256
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0 or self.disk_dir is not None
+
+    def __post_init__(self) -> None:
+        for name in ("host_bytes", "disk_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.disk_dir is not None and self.disk_bytes <= 0:
+            raise ValueError("a disk tier needs a size: give --kv-disk-gib > 0 with --kv-disk-dir")
+        if self.disk_dir is None and self.disk_bytes:
+            raise ValueError("--kv-disk-gib needs --kv-disk-dir")
+        if self.key is not None and len(self.key) != 32:
+            raise ValueError(f"the KV store key must be 32 bytes, got {len(self.key)}")
+        if self.max_queued_jobs < 1 or self.staging_blocks < 1:
+            raise ValueError("max_queued_jobs and staging_blocks must be >= 1")

@@ -87,11 +87,12 @@ def tiny_engine(arch: str = "qwen2", *, block_size: int = 4, num_blocks: int = 6
                 max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
                 enable_prefix_caching: bool = True, dtype: torch.dtype = torch.float32,
                 kernels: CpuKernels | KernelSpy | None = None, sharp_attention: bool = True,
-                eviction=None):
+                eviction=None, tiers=None):
     """An Engine over a tiny random model: (engine, hf_model). kernels: the C++ decode
     attention (or a spy on it); None runs decode attention through torch's SDPA. The model's
     attention is sharp by default: engine tests compare greedy tokens, and only then do the
-    tokens depend on what attention computed. eviction: the pool's EvictionPolicy (LRU if None)."""
+    tokens depend on what attention computed. eviction: the pool's EvictionPolicy (LRU if None).
+    tiers: a TierConfig for host and disk KV tiers (engine.tiers is then the KvTiers)."""
     from agentserve.config import SchedulerConfig
     from agentserve.engine.engine import Engine
     from agentserve.engine.scheduler import Scheduler
@@ -103,12 +104,21 @@ def tiny_engine(arch: str = "qwen2", *, block_size: int = 4, num_blocks: int = 6
     cfg = model_config_of(hf, arch)
     model = Transformer(cfg, weights_of(hf, dtype), kernels=kernels)
     runner = ModelRunner(model, num_blocks, block_size, dtype, torch.device("cpu"))
+    pool = BlockPool(num_blocks, block_size, eviction)
+    kv_tiers = None
+    if tiers is not None:
+        from agentserve.engine.tiers import build_kv_tiers
+        from agentserve.kv.identity import CacheIdentity
+
+        identity = CacheIdentity(cfg.name, str(dtype).removeprefix("torch."), block_size,
+                                 runner.kv_layout(), runner.kernel_options())
+        kv_tiers = build_kv_tiers(tiers, runner, pool, identity)
     sched = Scheduler(
         SchedulerConfig(max_model_len=cfg.max_position_embeddings, block_size=block_size,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         enable_prefix_caching=enable_prefix_caching, eos_token_ids=()),
-        BlockPool(num_blocks, block_size, eviction))
-    return Engine(sched, runner, model_id=cfg.name, vocab_size=cfg.vocab_size), hf
+        pool, lower=kv_tiers)
+    return Engine(sched, runner, model_id=cfg.name, vocab_size=cfg.vocab_size, tiers=kv_tiers), hf
 
 
 def run_all(engine, prompts, sampling) -> list[list[int]]:

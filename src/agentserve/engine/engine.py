@@ -28,6 +28,7 @@ from agentserve.engine.request import (
 )
 from agentserve.engine.detokenize import IncrementalDecoder
 from agentserve.engine.scheduler import Batch, Scheduler
+from agentserve.engine.tiers import KvTiers
 from agentserve.kv.hashing import BlockHash, ExtraKeys, extend_block_hashes
 
 Clock = Callable[[], float]
@@ -61,8 +62,13 @@ class Engine:
         vocab_size: int,
         clock: Clock = time.monotonic,
         detokenizer: Detokenizer | None = None,
+        tiers: KvTiers | None = None,
     ) -> None:
+        """tiers: host and disk KV tiers (engine/tiers.py); the scheduler must have been built
+        with them as its `lower` tier."""
+        assert (tiers is None) == (scheduler.lower is None) or not scheduler.config.enable_prefix_caching
         self.scheduler = scheduler
+        self.tiers = tiers
         self.runner = runner
         self.model_id = model_id
         self.vocab_size = vocab_size
@@ -98,7 +104,11 @@ class Engine:
             extra_keys=self._keys(cache_salt),
             arrival_time=self.clock(),
         )
-        self.scheduler.add(request)
+        loading = False
+        if self.tiers is not None and self.scheduler.config.enable_prefix_caching:
+            self.scheduler.check_fits(request)  # a rejected request reads nothing from disk
+            loading = self.tiers.stage(rid, self.prompt_hashes_of(request), request.extra_keys)
+        self.scheduler.add(request, loading=loading)
         if sampling.stop:
             assert self.detokenizer is not None
             self._stop_text[rid] = IncrementalDecoder(self.detokenizer.decode)
@@ -113,7 +123,16 @@ class Engine:
     def prompt_hashes(self, request_id: RequestId) -> list[BlockHash]:
         """The hashes of a queued request's full prompt blocks (computed now, once: the
         scheduler's prefix match reuses them)."""
-        r = self.scheduler.requests[request_id]
+        return self.prompt_hashes_of(self.scheduler.requests[request_id])
+
+    def prompt_hashes_of_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None
+                                ) -> list[BlockHash]:
+        """The block hashes a prompt of these tokens would have (tests, tools)."""
+        hashes: list[BlockHash] = []
+        extend_block_hashes(hashes, list(token_ids), self.scheduler.pool.block_size, self._keys(cache_salt))
+        return hashes
+
+    def prompt_hashes_of(self, r: Request) -> list[BlockHash]:
         if len(r.block_hashes) < r.num_prompt_tokens // self.scheduler.pool.block_size:
             extend_block_hashes(r.block_hashes, r.token_ids[: r.num_prompt_tokens],
                                 self.scheduler.pool.block_size, r.extra_keys)
@@ -123,18 +142,46 @@ class Engine:
         """Stop a request now and free its blocks. None if it already finished or is unknown."""
         self._stop_text.pop(request_id, None)
         request = self.scheduler.finish(request_id, FinishReason.ABORT)
-        return None if request is None else make_output(request, ())
+        if request is None:
+            return None
+        self._offload()
+        return make_output(request, ())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        tiers = self.tiers
+        if tiers is not None:
+            self._release_loaded(tiers)
         batch = self.scheduler.schedule(self.clock())
         if not batch.chunks:
+            if tiers is not None and tiers.loading and tiers.worker is not None:
+                tiers.worker.wake.wait(0.005)  # nothing to run until a disk read ends
             return []
+        if batch.restores:
+            assert tiers is not None
+            tiers.restore(batch.restores)
         result = self.runner.run(batch)
         outputs = self.scheduler.update(batch, result.sampled, self.clock(), result.failed)
-        return [self._check_stop_strings(o) for o in outputs]
+        outputs = [self._check_stop_strings(o) for o in outputs]
+        self._offload()
+        return outputs
+
+    def _release_loaded(self, tiers: KvTiers) -> None:
+        """Queue the requests whose disk reads ended (what was read is now in the host tier)."""
+        for rid, staged in tiers.poll():
+            request = self.scheduler.requests.get(RequestId(rid))
+            if request is not None:
+                request.staged_hashes = frozenset(staged)
+            self.scheduler.release(RequestId(rid))
+
+    def _offload(self) -> None:
+        """Write through to the lower tiers what the requests that just finished leave cached:
+        their trajectories' next turns match it (engine/tiers.py)."""
+        for request in self.scheduler.take_finished():
+            if self.tiers is not None and request.final_block_hashes:
+                self.tiers.offload(request.final_block_hashes, request.extra_keys)
 
     def _check_stop_strings(self, output: RequestOutput) -> RequestOutput:
         decoder = self._stop_text.get(output.request_id)

@@ -91,6 +91,7 @@ class TokenIds(Protocol):
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # its prefix is being read from a lower tier; queued once that ends
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -125,7 +126,10 @@ class Request:
     block_ids: list[BlockId] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks of token_ids
     num_cached_blocks: int = 0
-    num_reused_tokens: int | None = None  # prefix-cache hit at first admission
+    num_reused_tokens: int | None = None  # prefix-cache hit at first admission (every tier)
+    num_host_tokens: int = 0  # of those, restored from the host tier
+    num_disk_tokens: int = 0  # of those, read from disk (then restored through host)
+    staged_hashes: frozenset[BlockHash] = frozenset()  # blocks read from disk for this request
     num_recomputed_tokens: int = 0  # tokens computed again after a preemption
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
@@ -156,7 +160,7 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     num_prompt_tokens: int
-    num_reused_tokens: int  # prompt tokens served from the prefix cache
+    num_reused_tokens: int  # prompt tokens served from the prefix cache (any tier)
     num_prefilled_tokens: int  # prompt tokens computed (prompt - reused)
     num_generated_tokens: int
     num_recomputed_tokens: int  # extra work from preemption
@@ -168,6 +172,8 @@ class RequestOutput:
     # Once finished: the hashes of its blocks that were in the prefix cache (prompt and reply),
     # what its trajectory's next turn would match; () before that or with the cache off.
     block_hashes: tuple[BlockHash, ...] = ()
+    num_host_tokens: int = 0  # of num_reused_tokens, restored from the host tier
+    num_disk_tokens: int = 0  # of num_reused_tokens, read from disk
 
 
 def make_output(
@@ -190,4 +196,6 @@ def make_output(
         matched_stop=matched_stop,
         error=request.error,
         block_hashes=request.final_block_hashes,
+        num_host_tokens=request.num_host_tokens,
+        num_disk_tokens=request.num_disk_tokens,
     )

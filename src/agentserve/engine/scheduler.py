@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from agentserve.config import SchedulerConfig
 from agentserve.engine.request import (
@@ -66,10 +67,28 @@ class Preemption:
 
 
 @dataclass(frozen=True, slots=True)
+class Restore:
+    """Blocks allocated for a prefix run found in a lower tier: the engine copies hashes[i]
+    into block_ids[i] before the forward (they are already published in the prefix cache)."""
+
+    request_id: RequestId
+    block_ids: tuple[BlockId, ...]
+    hashes: tuple[BlockHash, ...]
+
+
+class LowerTier(Protocol):
+    """What the scheduler asks a lower tier (engine/tiers.py): how many of these hashes, from
+    the first, it can restore into the pool in this step."""
+
+    def match(self, hashes: Sequence[BlockHash]) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     chunks: tuple[ScheduledChunk, ...]
     preemptions: tuple[Preemption, ...]
     finished: tuple[RequestId, ...] = ()  # ended since the last batch: runner state to drop
+    restores: tuple[Restore, ...] = ()  # copy in before the forward
 
     @property
     def preempted(self) -> tuple[RequestId, ...]:
@@ -94,10 +113,13 @@ def _frozen(token_ids: Sequence[int]) -> Sequence[int]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, lower: LowerTier | None = None) -> None:
         assert pool.block_size == config.block_size
         self.config = config
         self.pool = pool
+        self.lower = lower if config.enable_prefix_caching else None
+        self._restores: list[Restore] = []
+        self._finished_requests: list[Request] = []  # for the lower tiers' write-through
         # Both lists are kept in priority (arrival) order.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -112,9 +134,22 @@ class Scheduler:
         longest = min(request.num_prompt_tokens + request.sampling.max_tokens, self.config.max_model_len)
         return _cdiv(max(longest, request.num_tokens + 1) - 1, self.pool.block_size)
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, loading: bool = False) -> None:
         """Queue a request; raises ValueError if it can never run. A request is accepted only
-        if its longest sequence fits the pool alone, so every accepted request can finish."""
+        if its longest sequence fits the pool alone, so every accepted request can finish.
+        loading: its prefix is being read from a lower tier; it keeps its arrival priority and
+        is queued by `release` once the read ends."""
+        self.check_fits(request)
+        request.priority = self._next_priority
+        self._next_priority += 1
+        self.requests[request.request_id] = request
+        if loading:
+            request.status = RequestStatus.LOADING
+        else:
+            self.waiting.append(request)  # the latest arrival: the end of the priority order
+
+    def check_fits(self, request: Request) -> None:
+        """Raise ValueError (with the numbers) if request can never run."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         n, limit = request.num_tokens, self.config.max_model_len
@@ -127,10 +162,16 @@ class Scheduler:
                 f"prompt of {n} tokens with max_tokens {request.sampling.max_tokens} needs up to "
                 f"{needed} KV blocks ({needed * bs} tokens); the pool has {self.pool.num_blocks} "
                 f"({self.pool.num_blocks * bs} tokens): lower max_tokens or the prompt")
-        request.priority = self._next_priority
-        self._next_priority += 1
-        self.requests[request.request_id] = request
-        self.waiting.append(request)  # the latest arrival: the end of the priority order
+
+    def release(self, request_id: RequestId) -> None:
+        """Queue a LOADING request in its priority place (unknown or finished ids are ignored)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.status is RequestStatus.LOADING:
+            request.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, request, key=_priority)
+
+    def num_loading(self) -> int:
+        return sum(r.status is RequestStatus.LOADING for r in self.requests.values())
 
     def finish(self, request_id: RequestId, reason: FinishReason, error: str | None = None) -> Request | None:
         """End a request (abort, stop string, a failure): free its blocks at once. None if unknown."""
@@ -141,14 +182,23 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        # (a LOADING request is in neither list and holds no blocks)
         if request.num_cached_blocks:
             request.final_block_hashes = tuple(request.block_hashes[: request.num_cached_blocks])
         self._free_blocks(request)
         self._finished.append(request_id)
+        if self.lower is not None:
+            self._finished_requests.append(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
         return request
+
+    def take_finished(self) -> list[Request]:
+        """Requests finished since the last call (kept only with a lower tier, which writes
+        their cached blocks through)."""
+        out, self._finished_requests = self._finished_requests, []
+        return out
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -173,7 +223,10 @@ class Scheduler:
         finished: tuple[RequestId, ...] = ()
         if chunks:  # an empty batch is not run: keep the list for the next one
             finished, self._finished = tuple(self._finished), []
-        return Batch(chunks=tuple(chunks), preemptions=tuple(preemptions), finished=finished)
+        restores, self._restores = tuple(self._restores), []
+        assert chunks or not restores, "a restore always comes with its request's chunk"
+        return Batch(chunks=tuple(chunks), preemptions=tuple(preemptions), finished=finished,
+                     restores=restores)
 
     def _earliest_waiting(self) -> Request | None:
         """The earliest unfinished request, if it is waiting (it then runs this step)."""
@@ -192,8 +245,10 @@ class Scheduler:
         while len(self.running) >= self.config.max_num_seqs:
             self._preempt(self.running[-1], request, preemptions, for_slot=True)
         del self.waiting[0]
-        matched = self._match(request)
-        self._start(request, matched, 0, len(matched) * self.pool.block_size)
+        matched, lower = self._match(request)
+        # Its blocks come in `_grow`; those of a lower-tier run now, if free blocks allow.
+        lower = min(lower, self.pool.num_free_blocks - self.pool.count_free(matched))
+        self._start(request, matched, lower, lower, (len(matched) + lower) * self.pool.block_size)
 
     def _grow(self, request: Request, n: int, preemptions: list[Preemption]) -> bool:
         """Give request blocks for n more tokens, preempting the latest arrivals. False if the
@@ -230,55 +285,78 @@ class Scheduler:
         while (i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs
                and passed <= self.config.admission_lookahead):
             request = self.waiting[i]
-            matched = self._match(request)
-            if self.config.enable_prefix_caching and len(matched) < len(request.block_hashes):
+            matched, lower = self._match(request)
+            reach = len(matched) + lower
+            if self.config.enable_prefix_caching and reach < len(request.block_hashes):
                 in_flight = self._in_flight() if in_flight is None else in_flight
-                if request.block_hashes[len(matched)] in in_flight:
+                if request.block_hashes[reach] in in_flight:
                     i += 1  # it waits a step; the ones behind it may go
                     continue
-            computed, n, need = self._admission(request, matched, budget)
+            computed, n, need = self._admission(request, reach, budget, len(matched))
             if need > self.pool.num_free_blocks - self.pool.count_free(matched):
                 i, passed = i + 1, passed + 1
                 continue
             del self.waiting[i]
-            self._start(request, matched, need, computed)
+            self._start(request, matched, need, lower, computed)
             if in_flight is not None:
                 in_flight.update(request.block_hashes[request.num_cached_blocks :])
             chunks.append(self._chunk(request, n, now))
             budget -= n
         return budget
 
-    def _admission(self, request: Request, matched: list[BlockId], budget: int) -> tuple[int, int, int]:
+    def _admission(self, request: Request, reach: int, budget: int, num_matched: int
+                         ) -> tuple[int, int, int]:
         """(tokens already computed, tokens to compute now, new blocks needed) to admit request
-        with its cached prefix `matched` under `budget`."""
-        computed = len(matched) * self.pool.block_size
+        under `budget` with `reach` blocks of its prefix reusable, the first num_matched of them
+        in the pool (the others are restored from a lower tier into new blocks)."""
+        computed = reach * self.pool.block_size
         n = min(request.num_tokens - computed, budget)
-        return computed, n, _cdiv(computed + n, self.pool.block_size) - len(matched)
+        return computed, n, _cdiv(computed + n, self.pool.block_size) - num_matched
 
     def _in_flight(self) -> set[BlockHash]:
         """Hashes of full blocks that running requests are computing (not yet published)."""
         return {h for r in self.running for h in r.block_hashes[r.num_cached_blocks :]}
 
-    def _start(self, request: Request, matched: list[BlockId], need: int, computed: int) -> None:
+    def _start(self, request: Request, matched: list[BlockId], need: int, lower: int, computed: int) -> None:
+        """Run request with its device prefix `matched`, `need` new blocks, the first `lower`
+        of them restored from a lower tier (published now, copied in before the forward)."""
+        assert lower <= need
         self.pool.lock(matched)
         request.block_ids = matched + self.pool.allocate(need)
-        request.num_cached_blocks = len(matched)
+        request.num_cached_blocks = len(matched) + lower
+        if lower:
+            self._restore(request, len(matched), lower)
         if request.num_reused_tokens is None:
             request.num_reused_tokens = min(computed, request.num_prompt_tokens)
+            bs = self.pool.block_size
+            restored = request.block_hashes[len(matched) : len(matched) + lower]
+            from_disk = sum(h in request.staged_hashes for h in restored)
+            request.num_disk_tokens = min(from_disk * bs, request.num_reused_tokens)
+            request.num_host_tokens = min((lower - from_disk) * bs,
+                                          request.num_reused_tokens - request.num_disk_tokens)
         else:  # back after preemption: the hit is recomputation avoided
             request.num_recomputed_tokens -= min(computed, request.num_recomputed_tokens)
         request.num_computed_tokens = computed
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=_priority)
 
-    def _match(self, request: Request) -> list[BlockId]:
-        """Longest cached prefix in full blocks, leaving at least one token to compute."""
+    def _restore(self, request: Request, first: int, n: int) -> None:
+        ids, hashes = request.block_ids[first : first + n], request.block_hashes[first : first + n]
+        self.pool.insert_many(ids, hashes)
+        self._restores.append(Restore(request.request_id, tuple(ids), tuple(hashes)))
+
+    def _match(self, request: Request) -> tuple[list[BlockId], int]:
+        """Longest cached prefix in full blocks, leaving at least one token to compute: the
+        device blocks holding it, and how many blocks after them a lower tier can restore."""
         if not self.config.enable_prefix_caching:
-            return []
+            return [], 0
         bs = self.pool.block_size
         extend_block_hashes(request.block_hashes, request.token_ids, bs, request.extra_keys)
         max_blocks = (request.num_tokens - 1) // bs
-        return self.pool.match_prefix(request.block_hashes[:max_blocks])
+        matched = self.pool.match_prefix(request.block_hashes[:max_blocks])
+        if self.lower is None or len(matched) == max_blocks:
+            return matched, 0
+        return matched, self.lower.match(request.block_hashes[len(matched) : max_blocks])
 
     def _chunk(self, request: Request, n: int, now: float) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -376,15 +454,16 @@ class Scheduler:
             return True
         in_flight: set[BlockHash] | None = None
         for request in self.waiting[: self.config.admission_lookahead + 1]:
-            matched = self._match(request)
-            _, _, need = self._admission(request, matched, budget)
+            matched, lower = self._match(request)
+            reach = len(matched) + lower
+            _, _, need = self._admission(request, reach, budget, len(matched))
             if need <= self.pool.num_free_blocks - self.pool.count_free(matched):
                 return False  # admitted now, or a step after its next block is published
             # Pure decode steps only take free blocks (its need and the free blocks outside its
             # match never improve); only a publish of its next block hash could extend its match.
-            if len(matched) < len(request.block_hashes):
+            if reach < len(request.block_hashes):
                 in_flight = self._in_flight() if in_flight is None else in_flight
-                if request.block_hashes[len(matched)] in in_flight:
+                if request.block_hashes[reach] in in_flight:
                     return False
         return True
 

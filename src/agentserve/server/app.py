@@ -55,6 +55,11 @@ class ServerState:
             self.trajectories = Trajectories(residency, mode, self.metrics)
         else:
             self.metrics.watch_residency(None, mode)
+        tiers = getattr(self.llm, "tiers", None)
+        if tiers is not None:
+            from agentserve.server.tier_metrics import TierCollector
+
+            self.metrics.registry.register(TierCollector(tiers))
 
     @functools.cached_property
     def grammars(self) -> Grammars:

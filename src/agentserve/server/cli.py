@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any
 
-from agentserve.config import ServerConfig
+from agentserve.config import ServerConfig, TierConfig
 from agentserve.server.grammars import add_grammar_args, grammar_config
 from agentserve.server.tool_parsers import get_parser
 
@@ -24,7 +24,7 @@ def build_state(args: argparse.Namespace):
               max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
               device=args.device, cache_root=args.cache_root, cpu_kernels=not args.no_cpu_kernels,
-              residency=args.residency)
+              residency=args.residency, tiers=tier_config(args))
     if llm.runner.guided is not None:
         llm.runner.guided.warm()  # constrained decoding's token table: built now, not on a request
     # Start-up's ~450k objects (tokenizer tables, modules) leave the collector's view: a full
@@ -35,6 +35,28 @@ def build_state(args: argparse.Namespace):
     return ServerState(llm=llm, model_name=args.served_model_name or args.model,
                        tool_parser=get_parser(args.tool_parser), config=server_config(args),
                        grammar_config=grammar_config(args))
+
+
+def tier_config(args: argparse.Namespace) -> TierConfig:
+    """The lower KV tiers from the flags; the key from --kv-key, else AGENTSERVE_KV_KEY, else
+    the generated key file (outside the store directory)."""
+    import os
+    from pathlib import Path
+
+    from agentserve.kv.sealing import parse_key
+
+    text = args.kv_key or os.environ.get("AGENTSERVE_KV_KEY")
+    try:
+        key = None if not text else parse_key(text)
+    except ValueError as exc:
+        raise SystemExit(f"--kv-key / AGENTSERVE_KV_KEY: {exc}") from None
+    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return TierConfig(
+        host_bytes=int(args.kv_host_gib * 2**30),
+        disk_dir=None if args.kv_disk_dir is None else Path(args.kv_disk_dir),
+        disk_bytes=int(args.kv_disk_gib * 2**30) if args.kv_disk_dir is not None else 0,
+        key=key, key_path=Path(args.kv_key_file) if args.kv_key_file else config_home / "agentserve" / "kv.key",
+        encrypt=args.kv_encrypt)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -113,6 +135,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--residency", default="shadow", choices=["off", "shadow", "on"],
                    help="agent-aware KV residency (docs/residency.md): off = plain LRU; shadow = LRU, "
                         "with advice and receipts to check predictions; on = evict by expected value")
+    t = p.add_argument_group("KV tiers (docs/tiers.md)")
+    t.add_argument("--kv-host-gib", type=float, default=0.0,
+                   help="host-memory tier for blocks evicted from the pool (0: none)")
+    t.add_argument("--kv-disk-dir", default=None, help="disk tier directory (kept across restarts)")
+    t.add_argument("--kv-disk-gib", type=float, default=16.0, help="the disk tier's bound")
+    t.add_argument("--kv-key", default=None,
+                   help="store key, 64 hex digits or base64 (default: $AGENTSERVE_KV_KEY, else a key "
+                        "generated into --kv-key-file)")
+    t.add_argument("--kv-key-file", default=None,
+                   help="where the generated key lives (default: ~/.config/agentserve/kv.key)")
+    t.add_argument("--kv-encrypt", action="store_true", help="AES-GCM on disk (HMAC-SHA256 always)")
     p.add_argument("--tool-parser", default="auto", choices=["auto", "hermes", "json", "qwen3_xml"])
     d = ServerConfig()
     g = p.add_argument_group("bounds (docs/reliability.md)")

@@ -73,6 +73,10 @@ def usage(out: RequestOutput, session_id: str | None, trajectory_id: str | None 
         "prompt_tokens_details": {"cached_tokens": out.num_reused_tokens},
         "agentserve": {
             "reused_tokens": out.num_reused_tokens, "prefilled_tokens": out.num_prefilled_tokens,
+            # where the reused tokens came from: the device pool, the host tier, disk
+            "reused_tokens_by_tier": {
+                "device": out.num_reused_tokens - out.num_host_tokens - out.num_disk_tokens,
+                "host": out.num_host_tokens, "disk": out.num_disk_tokens},
             "generated_tokens": out.num_generated_tokens, "recomputed_tokens": out.num_recomputed_tokens,
             "time_to_first_token_ms": ttft, "queue_ms": queue, "session_id": session_id,
             "trajectory_id": trajectory_id,

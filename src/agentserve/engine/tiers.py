@@ -1,0 +1,229 @@
+"""Lower KV tiers seen from the engine: offload at pause, restore at admission, disk reads staged.
+
+Data flow, all on the step thread except the disk I/O:
+
+- **Offload (write-through when a request finishes).** A finished request's published blocks are
+  what its trajectory's next turn will match. Those not yet below are gathered from the pool in
+  one batched copy (`KvMover.read_blocks`), put in the host store, and queued for the disk on the
+  I/O worker. A later eviction from the pool then only drops a copy that exists below.
+- **Restore from host (in the step).** The scheduler matches a prompt's prefix on the device,
+  then continues in the host store (`match`); it allocates blocks for the host run and lists them
+  in `Batch.restores`; the engine copies them in (`restore`) before the forward. On CPU host and
+  device are the same DRAM: a restore is a memcpy, not I/O.
+- **Stage from disk (before admission).** At `add`, the blocks of the prompt that follow its device
+  and host runs and are on disk are read by the worker; the request waits (`LOADING`) and the others
+  keep running. Each verified block goes into the host store; when the read ends the request is
+  queued and its admission restores them from host. A failed or partial read leaves the rest to be
+  recomputed.
+
+The host store and every index the scheduler reads are touched only here, on the step thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from agentserve.config import TierConfig
+
+from agentserve.engine.scheduler import Restore
+from agentserve.kv.block_pool import BlockId, BlockPool
+from agentserve.kv.disk_store import DiskStats
+from agentserve.kv.hashing import BlockHash, ExtraKeys
+from agentserve.kv.host_store import HostStore
+from agentserve.kv.identity import CacheIdentity
+from agentserve.kv.tier_worker import ReadDone, ReadJob, TierWorker, WriteDone, WriteJob
+
+log = logging.getLogger("agentserve.kv.tiers")
+
+
+class KvMover(Protocol):
+    """The runner's side: whole blocks in and out of the pool, batched (model/runner.py)."""
+
+    block_nbytes: int
+
+    def read_blocks(self, block_ids: Sequence[BlockId]) -> list[bytes]: ...
+    def write_blocks(self, block_ids: Sequence[BlockId], payloads: Sequence[bytes]) -> None: ...
+
+
+class DiskIndex(Protocol):
+    """The disk store as the step thread sees it (kv/disk_store.py): its index, thread-safe."""
+
+    capacity_bytes: int
+
+    def contains(self, identity: CacheIdentity, block_hash: int) -> bool: ...
+    def get(self, identity: CacheIdentity, block_hash: int) -> bytes | None: ...
+    def stats(self) -> DiskStats: ...
+
+
+@dataclass(slots=True)
+class TierCounters:
+    num_offloaded_blocks: int = 0  # gathered from the pool into the host store
+    num_restored_blocks: int = 0  # copied from host into the pool
+    num_staged_blocks: int = 0  # read from disk into host ahead of an admission
+    num_disk_written_blocks: int = 0
+    num_disk_write_failures: int = 0
+    num_disk_read_misses: int = 0  # blocks a staged read expected but did not get (recomputed)
+    num_jobs_refused: int = 0  # the worker's queue was full: that copy was skipped
+    bytes_gathered: int = 0
+    gather_s: float = 0.0
+    bytes_scattered: int = 0
+    scatter_s: float = 0.0
+    bytes_read_disk: int = 0
+    read_disk_s: float = 0.0
+    bytes_written_disk: int = 0
+    write_disk_s: float = 0.0
+
+
+class KvTiers:
+    def __init__(self, host: HostStore, mover: KvMover, identity: CacheIdentity, pool: BlockPool,
+                 worker: TierWorker | None = None, disk: DiskIndex | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        assert (worker is None) == (disk is None), "a disk tier needs its worker"
+        self.host = host
+        self.mover = mover
+        self.identity = identity
+        self.pool = pool
+        self.worker = worker
+        self.disk = disk
+        self.clock = clock
+        self.counters = TierCounters()
+        self._ids: dict[str | None, CacheIdentity] = {}
+        self._pending_disk: set[BlockHash] = set()  # queued for the disk, not yet written
+        self.loading: dict[str, tuple[BlockHash, ...]] = {}  # request id -> hashes being read
+
+    def _identity(self, keys: ExtraKeys) -> CacheIdentity:
+        ident = self._ids.get(keys.cache_salt)
+        if ident is None:
+            ident = self._ids[keys.cache_salt] = self.identity.for_tenant(keys.cache_salt)
+        return ident
+
+    # ── scheduler side ───────────────────────────────────────────────────────────────────
+    def match(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of hashes, from the first, the host store can restore."""
+        return self.host.match(hashes)
+
+    # ── disk staging, at add ─────────────────────────────────────────────────────────────
+    def stage(self, request_id: str, hashes: Sequence[BlockHash], keys: ExtraKeys) -> bool:
+        """Queue a disk read of the prompt's blocks after its device and host runs; True if the
+        request must wait for it (the caller holds it as LOADING)."""
+        if self.worker is None or self.disk is None or not hashes:
+            return False
+        ident = self._identity(keys)
+        start = len(self.pool.match_prefix(hashes))
+        start += self.host.match(hashes[start:])
+        run = []
+        for h in hashes[start:]:
+            if not self.disk.contains(ident, h):
+                break
+            run.append(h)
+        if not run or not self.worker.submit(ReadJob(request_id, ident, tuple(run))):
+            self.counters.num_jobs_refused += bool(run)
+            return False
+        self.loading[request_id] = tuple(run)
+        return True
+
+    def poll(self) -> list[tuple[str, tuple[BlockHash, ...]]]:
+        """Apply finished I/O; the requests whose staged reads ended (to be queued), each with
+        the hashes it got from disk (now in the host store)."""
+        if self.worker is None:
+            return []
+        released = []
+        c = self.counters
+        for done in self.worker.poll():
+            if isinstance(done, WriteDone):
+                self._pending_disk.difference_update(done.hashes, done.failed)
+                c.num_disk_written_blocks += len(done.hashes)
+                c.num_disk_write_failures += len(done.failed)
+                c.bytes_written_disk += done.nbytes
+                c.write_disk_s += done.seconds
+                continue
+            assert isinstance(done, ReadDone)
+            for h, p in zip(done.hashes, done.payloads, strict=True):
+                self.host.put(h, p)
+            wanted = self.loading.pop(done.key, done.hashes)
+            c.num_staged_blocks += len(done.hashes)
+            c.num_disk_read_misses += len(wanted) - len(done.hashes)
+            c.bytes_read_disk += sum(map(len, done.payloads))
+            c.read_disk_s += done.seconds
+            released.append((done.key, done.hashes))
+        return released
+
+    # ── restore, before the forward ──────────────────────────────────────────────────────
+    def restore(self, restores: Sequence[Restore]) -> None:
+        block_ids: list[BlockId] = []
+        payloads: list[bytes] = []
+        for r in restores:
+            for b, h in zip(r.block_ids, r.hashes, strict=True):
+                p = self.host.get(h)
+                assert p is not None, "a host block the scheduler matched left before its restore"
+                block_ids.append(b)
+                payloads.append(p)
+        t0 = self.clock()
+        self.mover.write_blocks(block_ids, payloads)
+        c = self.counters
+        c.scatter_s += self.clock() - t0
+        c.bytes_scattered += sum(map(len, payloads))
+        c.num_restored_blocks += len(block_ids)
+
+    # ── offload, when a request finishes ─────────────────────────────────────────────────
+    def offload(self, hashes: Sequence[BlockHash], keys: ExtraKeys) -> None:
+        """Copy below the blocks of a finished sequence that are still in the pool and not yet
+        in every lower tier."""
+        blocks = self.pool.match_prefix(hashes)
+        hashes = hashes[: len(blocks)]
+        ident = self._identity(keys) if self.disk is not None else self.identity
+        need_host = [h not in self.host for h in hashes]
+        need_disk = [self.disk is not None and h not in self._pending_disk
+                     and not self.disk.contains(ident, h) for h in hashes]
+        picked = [i for i in range(len(hashes)) if need_host[i] or need_disk[i]]
+        if not picked:
+            return
+        t0 = self.clock()
+        payloads = self.mover.read_blocks([blocks[i] for i in picked])
+        c = self.counters
+        c.gather_s += self.clock() - t0
+        c.bytes_gathered += sum(map(len, payloads))
+        to_disk_h, to_disk_p = [], []
+        for i, p in zip(picked, payloads, strict=True):
+            if need_host[i] and self.host.put(hashes[i], p):
+                c.num_offloaded_blocks += 1
+            if need_disk[i]:
+                to_disk_h.append(hashes[i])
+                to_disk_p.append(p)
+        if to_disk_h:
+            assert self.worker is not None
+            if self.worker.submit(WriteJob(ident, tuple(to_disk_h), tuple(to_disk_p))):
+                self._pending_disk.update(to_disk_h)
+            else:
+                c.num_jobs_refused += 1
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+def build_kv_tiers(config: TierConfig, mover: KvMover, pool: BlockPool, identity: CacheIdentity
+                   ) -> KvTiers | None:
+    """The host store, and the disk store with its key and I/O worker, from the config."""
+    if not config.enabled:
+        return None
+    host_bytes = config.host_bytes or config.staging_blocks * mover.block_nbytes
+    host = HostStore(host_bytes)
+    if config.disk_dir is None:
+        return KvTiers(host, mover, identity, pool)
+    from agentserve.kv.disk_store import DiskStore
+    from agentserve.kv.sealing import derive_keys, load_or_create_key
+
+    directory = Path(config.disk_dir)
+    master = config.key
+    if master is None:
+        key_path = config.key_path or Path.home() / ".config" / "agentserve" / "kv.key"
+        master = load_or_create_key(key_path, directory)
+    disk = DiskStore(directory, config.disk_bytes, identity, derive_keys(master, config.encrypt))
+    worker = TierWorker(disk, max_queued=config.max_queued_jobs)
+    return KvTiers(host, mover, identity, pool, worker=worker, disk=disk)
