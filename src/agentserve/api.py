@@ -111,6 +111,8 @@ class LLM:
         if self.residency is not None:
             self.residency.attach(pool)
         self.tiers = self._build_tiers(tiers, pool, dtype, enable_prefix_caching)
+        if self.tiers is not None and self.residency is not None and residency == "on":
+            self.residency.tiers = self.tiers  # advice offloads, prefetches and releases for real
         self.engine = Engine(
             Scheduler(self.scheduler_config, pool, lower=self.tiers), built.runner,
             model_id=self.model_config.name, vocab_size=self.model_config.vocab_size,

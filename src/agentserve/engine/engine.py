@@ -159,14 +159,22 @@ class Engine:
             if tiers is not None and tiers.loading and tiers.worker is not None:
                 tiers.worker.wake.wait(0.005)  # nothing to run until a disk read ends
             return []
-        if batch.restores:
-            assert tiers is not None
-            tiers.restore(batch.restores)
+        if tiers is not None:
+            self._before_run(tiers, batch)
+        t0 = self.clock()
         result = self.runner.run(batch)
+        if tiers is not None:
+            tiers.timed_step(batch.num_tokens, self.clock() - t0)
         outputs = self.scheduler.update(batch, result.sampled, self.clock(), result.failed)
         outputs = [self._check_stop_strings(o) for o in outputs]
         self._offload()
         return outputs
+
+    def _before_run(self, tiers: KvTiers, batch: Batch) -> None:
+        if batch.restores:
+            tiers.restore(batch.restores)
+        for request in self.scheduler.take_started():
+            tiers.on_started(request.block_hashes[: request.num_cached_blocks])
 
     def _release_loaded(self, tiers: KvTiers) -> None:
         """Queue the requests whose disk reads ended (what was read is now in the host tier)."""

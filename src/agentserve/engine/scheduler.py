@@ -120,6 +120,7 @@ class Scheduler:
         self.lower = lower if config.enable_prefix_caching else None
         self._restores: list[Restore] = []
         self._finished_requests: list[Request] = []  # for the lower tiers' write-through
+        self._started: list[Request] = []  # admitted since the last take (lower tiers' prefetch)
         # Both lists are kept in priority (arrival) order.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -193,6 +194,11 @@ class Scheduler:
         request.finish_reason = reason
         request.error = error
         return request
+
+    def take_started(self) -> list[Request]:
+        """Requests admitted since the last call (kept only with a lower tier)."""
+        out, self._started = self._started, []
+        return out
 
     def take_finished(self) -> list[Request]:
         """Requests finished since the last call (kept only with a lower tier, which writes
@@ -326,6 +332,8 @@ class Scheduler:
         request.num_cached_blocks = len(matched) + lower
         if lower:
             self._restore(request, len(matched), lower)
+        if self.lower is not None:
+            self._started.append(request)
         if request.num_reused_tokens is None:
             request.num_reused_tokens = min(computed, request.num_prompt_tokens)
             bs = self.pool.block_size

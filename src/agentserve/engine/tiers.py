@@ -21,8 +21,10 @@ The host store and every index the scheduler reads are touched only here, on the
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +38,10 @@ from agentserve.kv.disk_store import DiskStats
 from agentserve.kv.hashing import BlockHash, ExtraKeys
 from agentserve.kv.host_store import HostStore
 from agentserve.kv.identity import CacheIdentity
-from agentserve.kv.tier_worker import ReadDone, ReadJob, TierWorker, WriteDone, WriteJob
+from agentserve.kv.tier_worker import DeleteJob, ReadDone, ReadJob, TierWorker, WriteDone, WriteJob
+from agentserve.trajectory.tier_advice import TierRates
+
+PREFETCH = "prefetch:"  # the key prefix of a prefetch's disk read (request ids never start so)
 
 log = logging.getLogger("agentserve.kv.tiers")
 
@@ -69,6 +74,11 @@ class TierCounters:
     num_disk_write_failures: int = 0
     num_disk_read_misses: int = 0  # blocks a staged read expected but did not get (recomputed)
     num_jobs_refused: int = 0  # the worker's queue was full: that copy was skipped
+    num_prefetched_blocks: int = 0  # brought into the pool ahead of their request
+    num_prefetch_used: int = 0  # ... and then hit by a request
+    num_prefetch_wasted: int = 0  # ... and evicted before any request hit them
+    num_prefetch_displaced: int = 0  # cached blocks evicted to make room for prefetched ones
+    num_released_blocks: int = 0  # deleted from the lower tiers (trajectory released or ended)
     bytes_gathered: int = 0
     gather_s: float = 0.0
     bytes_scattered: int = 0
@@ -95,6 +105,14 @@ class KvTiers:
         self._ids: dict[str | None, CacheIdentity] = {}
         self._pending_disk: set[BlockHash] = set()  # queued for the disk, not yet written
         self.loading: dict[str, tuple[BlockHash, ...]] = {}  # request id -> hashes being read
+        # prefetched into the pool, not yet hit: hash -> None (oldest first, bounded)
+        self.prefetched: OrderedDict[BlockHash, None] = OrderedDict()
+        self.max_prefetch_blocks = max(1, pool.num_blocks // 4)  # per call
+        self.max_prefetched = 4 * pool.num_blocks
+        self.prefill_tokens_per_s: float | None = None  # measured by the engine
+        self.probe: TierRates | None = None  # start-up measurement, until live figures exist
+        self._prefetch_ids = itertools.count()
+        self._steps = 0
 
     def _identity(self, keys: ExtraKeys) -> CacheIdentity:
         ident = self._ids.get(keys.cache_salt)
@@ -145,6 +163,10 @@ class KvTiers:
             assert isinstance(done, ReadDone)
             for h, p in zip(done.hashes, done.payloads, strict=True):
                 self.host.put(h, p)
+            if done.key.startswith(PREFETCH):
+                self.loading.pop(done.key, None)
+                self._to_device(done.hashes)
+                continue
             wanted = self.loading.pop(done.key, done.hashes)
             c.num_staged_blocks += len(done.hashes)
             c.num_disk_read_misses += len(wanted) - len(done.hashes)
@@ -202,6 +224,112 @@ class KvTiers:
             else:
                 c.num_jobs_refused += 1
 
+    def timed_step(self, num_tokens: int, seconds: float) -> None:
+        """The engine's forward rate, smoothed; steps of 16 tokens or more once one was seen
+        (decode-only steps say little about prefill)."""
+        self._steps += 1
+        if self._steps % 64 == 0:
+            self.sweep_prefetched()
+        if seconds <= 0 or (num_tokens < 16 and self.prefill_tokens_per_s is not None):
+            return
+        rate = num_tokens / seconds
+        old = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
+
+    # ── prefetch and release (trajectory/residency.py's advice, on the engine thread) ──────
+    def _tenant_keys(self, tenant: str) -> CacheIdentity:
+        return self.identity.for_tenant(tenant or None)
+
+    def prefetch(self, hashes: Sequence[BlockHash], tenant: str) -> int:
+        """Bring a paused trajectory's blocks back into the pool before its request: those in
+        host now (a copy into free blocks), those only on disk through a read on the worker.
+        Bounded per call; blocks not matched as a prefix are not fetched. The count queued."""
+        hashes = list(hashes)
+        start = len(self.pool.match_prefix(hashes))
+        run = self.host.match(hashes[start:])
+        n = self._to_device(hashes[start : start + run])
+        rest = hashes[start + run :][: self.max_prefetch_blocks]
+        if n < run or not rest or self.disk is None or self.worker is None:
+            return n
+        ident = self._tenant_keys(tenant)
+        on_disk = []
+        for h in rest:
+            if not self.disk.contains(ident, h):
+                break
+            on_disk.append(h)
+        key = f"{PREFETCH}{next(self._prefetch_ids)}"
+        if on_disk and self.worker.submit(ReadJob(key, ident, tuple(on_disk))):
+            self.loading[key] = tuple(on_disk)
+            return n + len(on_disk)
+        return n
+
+    def _to_device(self, hashes: Sequence[BlockHash]) -> int:
+        """Copy host blocks into free pool blocks and publish them (cached, free: the next
+        request locks them). Takes at most a quarter of the pool per call and only free blocks."""
+        pool = self.pool
+        hashes = [h for h in hashes[: self.max_prefetch_blocks] if h not in pool.index and h in self.host]
+        n = min(len(hashes), pool.num_free_blocks)
+        if n == 0:
+            return 0
+        hashes = hashes[:n]
+        evicted = pool.num_evictions
+        block_ids = pool.allocate(n)
+        self.counters.num_prefetch_displaced += pool.num_evictions - evicted
+        payloads = [self.host.get(h) for h in hashes]
+        self.mover.write_blocks(block_ids, payloads)  # type: ignore[arg-type]
+        pool.insert_many(block_ids, hashes)
+        pool.free(reversed(block_ids))  # a shared head is evicted last, as a finished request's
+        for h in hashes:
+            self.prefetched[h] = None
+        while len(self.prefetched) > self.max_prefetched:
+            self.prefetched.popitem(last=False)
+        self.counters.num_prefetched_blocks += n
+        return n
+
+    def on_started(self, hashes: Sequence[BlockHash]) -> None:
+        """A request was admitted with these cached blocks: prefetched ones among them are used."""
+        if not self.prefetched:
+            return
+        pop = self.prefetched.pop
+        self.counters.num_prefetch_used += sum(pop(h, 0) is None for h in hashes)
+
+    def sweep_prefetched(self) -> None:
+        """Prefetched blocks evicted before any request used them are wasted."""
+        index = self.pool.index
+        gone = [h for h in self.prefetched if h not in index]
+        for h in gone:
+            del self.prefetched[h]
+        self.counters.num_prefetch_wasted += len(gone)
+
+    def release(self, hashes: Sequence[BlockHash], tenant: str) -> int:
+        """Delete these blocks from host and disk (a released or ended trajectory's own)."""
+        n = 0
+        for h in hashes:
+            if h in self.host:
+                self.host.delete(h)
+                n += 1
+        if self.disk is not None and self.worker is not None and hashes:
+            ident = self._tenant_keys(tenant)
+            on_disk = tuple(h for h in hashes if self.disk.contains(ident, h))
+            if on_disk and self.worker.submit(DeleteJob(ident, on_disk)):
+                n += len(on_disk)
+        self.counters.num_released_blocks += n
+        return n
+
+    def rates(self) -> TierRates:
+        """Measured costs: live figures once there is traffic, the start-up probe before."""
+        c, probe = self.counters, self.probe
+        if self.disk is not None:
+            bw = c.bytes_read_disk / c.read_disk_s if c.read_disk_s > 0.01 else None
+        else:
+            bw = c.bytes_scattered / c.scatter_s if c.scatter_s > 0.01 else None
+        if bw is None and probe is not None:
+            bw = probe.reload_bytes_per_s
+        # A pause follows a response, which follows a prefill the engine timed.
+        prefill = self.prefill_tokens_per_s
+        assert bw is not None and prefill is not None, "rates() before any step or probe"
+        return TierRates(self.mover.block_nbytes, self.pool.block_size, prefill, bw)
+
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
@@ -215,7 +343,9 @@ def build_kv_tiers(config: TierConfig, mover: KvMover, pool: BlockPool, identity
     host_bytes = config.host_bytes or config.staging_blocks * mover.block_nbytes
     host = HostStore(host_bytes)
     if config.disk_dir is None:
-        return KvTiers(host, mover, identity, pool)
+        tiers = KvTiers(host, mover, identity, pool)
+        tiers.probe = probe_rates(mover, pool, None)
+        return tiers
     from agentserve.kv.disk_store import DiskStore
     from agentserve.kv.sealing import derive_keys, load_or_create_key
 
@@ -226,4 +356,46 @@ def build_kv_tiers(config: TierConfig, mover: KvMover, pool: BlockPool, identity
         master = load_or_create_key(key_path, directory)
     disk = DiskStore(directory, config.disk_bytes, identity, derive_keys(master, config.encrypt))
     worker = TierWorker(disk, max_queued=config.max_queued_jobs)
-    return KvTiers(host, mover, identity, pool, worker=worker, disk=disk)
+    tiers = KvTiers(host, mover, identity, pool, worker=worker, disk=disk)
+    tiers.probe = probe_rates(mover, pool, directory)
+    return tiers
+
+
+def probe_rates(mover: KvMover, pool: BlockPool, disk_dir: Path | None) -> TierRates:
+    """Start-up figures for the advice until live traffic measures them: a gather and scatter
+    of a few free pool blocks, and a file of the same bytes written, synced, dropped from the
+    page cache and read back in the disk tier's directory."""
+    n = min(8, pool.num_blocks)
+    ids = [BlockId(i) for i in range(n)]  # all free and empty at start-up
+    t0 = time.perf_counter()
+    payloads = mover.read_blocks(ids)
+    mover.write_blocks(ids, payloads)
+    nbytes = sum(map(len, payloads))
+    bw = 2 * nbytes / max(time.perf_counter() - t0, 1e-6)
+    if disk_dir is not None:
+        bw = _probe_disk(disk_dir, b"".join(payloads)) or bw
+    return TierRates(mover.block_nbytes, pool.block_size, prefill_tokens_per_s=0.0, reload_bytes_per_s=bw)
+
+
+def _probe_disk(directory: Path, data: bytes) -> float | None:
+    import os
+
+    path = directory / f".probe-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            f.read()
+        return len(data) / max(time.perf_counter() - t0, 1e-6)
+    except OSError as exc:
+        log.warning("disk tier probe in %s failed (%s): using the host figure", directory, exc)
+        return None
+    finally:
+        path.unlink(missing_ok=True)
+
+

@@ -37,6 +37,7 @@ from agentserve.kv.tombstones import Tombstones
 from agentserve.trajectory.estimator import ReturnEstimator
 from agentserve.trajectory.events import Event, Outcome
 from agentserve.trajectory.receipts import POLICY_VERSION, CacheAdvice, CostRates, DecisionReceipt, settle
+from agentserve.trajectory.tier_advice import TierActions, choose_tier
 from agentserve.trajectory.registry import PAUSED, BlockHash, State, Trajectory, TrajectoryKey, TrajectoryRegistry
 
 BlockId = int
@@ -67,6 +68,10 @@ class ResidencyConfig:
     churn_halflife_s: float = 30.0
     block_size: int = 16  # tokens per block, for receipts
     rates: CostRates = field(default_factory=CostRates)
+    # With lower tiers: prefetch a paused trajectory at an expire tick when P(it returns within
+    # the next prefetch_window_s) is above this (tool_finished prefetches at once).
+    prefetch_above: float = 0.5
+    prefetch_window_s: float = 10.0
 
 
 @dataclass(slots=True)
@@ -102,6 +107,7 @@ class Residency:
     # trajectory then (prediction-quality reports; costs a pass over them per pause)
     on_pause: Callable[[TrajectoryKey, float, list[tuple[TrajectoryKey, tuple[float, float]]]], None] | None = None
     pool: PoolView | None = None  # set by attach(); receipts then count resident blocks
+    tiers: TierActions | None = None  # lower KV tiers: advice may offload, prefetch and release
     policy_s: float = 0.0  # time spent in the policy (lifecycle calls and held-block pops)
     policy_calls: int = 0
     version: int = 0  # bumped whenever a protection or a state changes (the eviction order's cache)
@@ -239,6 +245,8 @@ class Residency:
                 self.estimator.observe_return(pause.pause_class, now - pause.start_s)
                 t.state = State.RUNNING
                 self.version += 1
+                if self.tiers is not None:  # its request follows: bring its blocks back first
+                    self.tiers.prefetch(t.hashes, key.tenant)
                 return Outcome.APPLIED
             raise AssertionError(event)
         finally:
@@ -249,6 +257,9 @@ class Residency:
         now = self.clock()
         self._close(key, state.value, now)
         self._unprotect(key)
+        t = self.registry.get(key)
+        if t is not None:
+            self._release_lower(t)
         self.registry.end(key, state)
         self._untail(key)
 
@@ -266,13 +277,34 @@ class Residency:
             if pause.returned_s is None:
                 waits.setdefault(pause.pause_class, []).append(now - pause.start_s)
         self.estimator.set_open(waits)
+        if self.tiers is not None:
+            self._prefetch_due(now)
         self.version += 1
         self._timed(start)
+
+    def _prefetch_due(self, now: float) -> None:
+        """Prefetch the paused trajectories likely back within the next window."""
+        assert self.tiers is not None
+        cfg = self.config
+        for key, pause in self._pauses.items():
+            if pause.returned_s is not None:
+                continue
+            p = self._p_return(pause.pause_class, now - pause.start_s, cfg.prefetch_window_s,
+                               pause.expected_return_s, now)
+            if p >= cfg.prefetch_above:
+                self.tiers.prefetch(pause.hashes, key.tenant)
+
+    def _release_lower(self, t: Trajectory) -> None:
+        """Delete from the lower tiers its blocks no protected trajectory holds (a shared
+        prefix of protected ones stays; any other is written through again by its next user)."""
+        if self.tiers is not None and t.hashes:
+            self.tiers.release([h for h in t.hashes if h not in self.holders], t.key.tenant)
 
     def _forget(self, t: Trajectory, outcome: str, now: float) -> None:
         """It left the registry unreturned: censored at its wait, protection released."""
         self._close(t.key, outcome, now)
         self._unprotect(t.key)
+        self._release_lower(t)
         self._untail(t.key)
 
     def _untail(self, key: TrajectoryKey) -> None:
@@ -291,7 +323,12 @@ class Residency:
                 advice, action="release",
                 reason=f"paused ({cls}); P(return within {self.horizon_s():.0f} s) = "
                        f"{advice.p_return:.3f} < {self.config.release_below}: not protected")
+        if self.tiers is not None and advice.action == "retain":
+            advice = self._tier_advice(t, cls, advice, expected, now)
         self._pauses[t.key] = _Pause(start_s, cls, t.hashes, advice, expected)
+        if advice.action == "release":
+            self._unprotect(t.key)
+            self._release_lower(t)
         if advice.action == "retain":
             if t.key not in self.protected:
                 self._protect(t)
@@ -314,6 +351,17 @@ class Residency:
         if self.log is not None:
             self.log.append((now, "advice", t.key.id, cls, advice.action, round(advice.p_return, 9), len(t.hashes)))
         return advice
+
+    def _tier_advice(self, t: Trajectory, cls: str, advice: CacheAdvice, expected: float | None,
+                     now: float) -> CacheAdvice:
+        """Retain, offload or release, by expected cost (trajectory/tier_advice.py)."""
+        assert self.tiers is not None
+        gap = expected - now if expected is not None else self.estimator.quantile(cls, 0.5)
+        choice = choose_tier(len(t.hashes), advice.p_return, gap, self._churn(), self.num_blocks,
+                             self.tiers.rates())
+        if choice.action == advice.action:
+            return dataclasses.replace(advice, reason=f"{advice.reason}; {choice.reason()}")
+        return dataclasses.replace(advice, action=choice.action, reason=f"{advice.reason}; {choice.reason()}")
 
     def _advise(self, t: Trajectory, cls: str, start_s: float, now: float, expected: float | None,
                 action: str = "retain", why: str = "") -> CacheAdvice:
