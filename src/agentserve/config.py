@@ -88,6 +88,7 @@ class TierConfig:
     key: bytes | None = None  # the master key (flag or environment); None: the key file
     key_path: Path | None = None  # where the generated key lives (outside disk_dir)
     encrypt: bool = False  # AES-GCM on disk (always HMAC-SHA256)
+    disk_page_cache: bool = True  # False: files are dropped from the OS page cache (equal-memory runs)
     max_queued_jobs: int = 256  # the I/O worker's queue
     staging_blocks: int = 256
 

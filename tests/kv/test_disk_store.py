@@ -305,3 +305,13 @@ def test_temp_files_are_never_served_and_stale_ones_are_cleaned_at_start(tmp_pat
     assert not stale.exists() and fresh.exists()  # a young one may be another writer's
     assert again.stats().num_files == 0
     assert again.get(BASE, H[0]) is None and again.get(BASE, H[1]) is None
+
+
+def test_without_the_page_cache_files_round_trip(tmp_path):
+    from agentserve.kv.disk_store import DiskStore
+    from agentserve.kv.identity import CacheIdentity
+    from agentserve.kv.sealing import derive_keys
+
+    ident = CacheIdentity("m@1", "bfloat16", 16, "block-major", "sdpa")
+    store = DiskStore(tmp_path / "kv", 1 << 20, ident, derive_keys(bytes(32), False), page_cache=False)
+    assert store.put(ident, 5, b"x" * 1000) and store.get(ident, 5) == b"x" * 1000

@@ -134,6 +134,12 @@ def _residency(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _kv_copy(args: argparse.Namespace) -> int:
+    from agentserve.bench.kv_copy import run
+
+    return run(args)
+
+
 def _prediction(args: argparse.Namespace) -> int:
     from agentserve.sim.prediction import run
 
@@ -220,6 +226,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r = sub.add_parser("residency", help="agent sessions with real gaps against --residency off|shadow|on")
     add_args(r)
     r.set_defaults(func=_residency)
+    from agentserve.bench.kv_copy import add_args as kv_copy_args
+
+    k = sub.add_parser("kv-copy", help="pool <-> host <-> disk KV moves against a plain memcpy")
+    kv_copy_args(k)
+    k.set_defaults(func=_kv_copy)
     q = sub.add_parser("prediction", help="return-time prediction quality of the residency policy, in the simulator")
     q.add_argument("trace", nargs="+", help="trace files or directories")
     q.add_argument("--sessions", type=int, default=100)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -91,6 +92,8 @@ class TurnRecord:
     ttft_ms: float | None
     latency_s: float
     status: int
+    host_tokens: int = 0  # of cached_tokens, restored from the host tier
+    disk_tokens: int = 0  # ... read from disk
 
 
 async def run_session(client: httpx.AsyncClient, model: str, script: Script, start_delay_s: float,
@@ -117,8 +120,10 @@ async def run_session(client: httpx.AsyncClient, model: str, script: Script, sta
         reply = r.json()
         u = reply["usage"]
         eligible = (prev_prompt // 16) * 16
+        tiers = u["agentserve"].get("reused_tokens_by_tier", {})
         records.append(TurnRecord(script.name, j, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
-                                  eligible, u["agentserve"]["time_to_first_token_ms"], latency, 200))
+                                  eligible, u["agentserve"]["time_to_first_token_ms"], latency, 200,
+                                  tiers.get("host", 0), tiers.get("disk", 0)))
         prev_prompt = u["prompt_tokens"]
         msg = reply["choices"][0]["message"]
         calls = msg.get("tool_calls") or []
@@ -146,6 +151,9 @@ class RunResult:
     wall_s: float
     receipts: int
     policy_seconds: float
+    host_tokens: int = 0  # reused tokens restored from host
+    disk_tokens: int = 0  # reused tokens read from disk
+    tier_bytes: dict[str, float] | None = None  # agentserve_kv_tier_bytes_moved by path, at the end
 
 
 async def one_run(url: str, model: str, mode: str, seed: int, plans: list[Script], args) -> RunResult:
@@ -157,8 +165,12 @@ async def one_run(url: str, model: str, mode: str, seed: int, plans: list[Script
             run_session(client, model, s, d, args.system_words, args.result_words, args.max_tokens, seed)
             for s, d in zip(plans, delays)])
         stats = {}
-        if mode != "off":
+        if residency_of(mode) != "off":
             stats = (await client.get("/v1/trajectories/stats")).json()
+        metrics = (await client.get("/metrics")).text
+        moved = tier_bytes(metrics)
+        if getattr(args, "out", None):
+            Path(args.out, f"metrics-{mode}-{seed}.txt").write_text(metrics)
     wall = time.monotonic() - t0
     jct = [j for j, _ in results]
     recs = [r for _, rs in results for r in rs]
@@ -168,12 +180,47 @@ async def one_run(url: str, model: str, mode: str, seed: int, plans: list[Script
                      sum(max(0, r.eligible_tokens - r.cached_tokens) for r in recs),
                      sum(r.eligible_tokens for r in recs), sum(r.cached_tokens for r in recs),
                      sum(r.status != 200 for r in recs), wall, int(stats.get("receipts", 0)),
-                     float(stats.get("policy_seconds", 0.0)))
+                     float(stats.get("policy_seconds", 0.0)), sum(r.host_tokens for r in recs),
+                     sum(r.disk_tokens for r in recs), moved)
+
+
+# Ablations at equal memory (issue 11): the residency mode and whether the KV tiers are on.
+# B: LRU prefix cache; D: B + host/disk tiers; E: B + residency; G: all.
+ABLATIONS = {"B": ("off", False), "D": ("off", True), "E": ("on", False), "G": ("on", True)}
+
+
+def residency_of(mode: str) -> str:
+    return ABLATIONS[mode][0] if mode in ABLATIONS else mode
+
+
+def tier_bytes(metrics: str) -> dict[str, float]:
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith("agentserve_kv_tier_bytes_moved_total{"):
+            path = line.split('path="', 1)[1].split('"', 1)[0]
+            out[path] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def server_args(args, mode: str, disk_dir: Path) -> list[str]:
+    """Every ablation gets the same RAM for KV: with tiers the device pool gives up
+    --kv-host-share of it to the host store (one DRAM here); the disk tier is extra, its files
+    kept out of the page cache so that they cost no RAM either."""
+    residency, tiers = ABLATIONS.get(mode, (mode, False))
+    total = args.kv_cache_memory_gib
+    device = total * (1 - args.kv_host_share) if tiers else total
+    out = ["--model", args.model, "--dtype", "bfloat16", "--residency", residency,
+           "--kv-cache-memory-gib", f"{device:.6f}", "--max-model-len", str(args.max_model_len)]
+    if tiers:
+        out += ["--kv-host-gib", f"{total * args.kv_host_share:.6f}", "--kv-disk-dir", str(disk_dir),
+                "--kv-disk-gib", str(args.kv_disk_gib), "--kv-key", "00" * 32, "--kv-disk-no-page-cache"]
+    return out
 
 
 def summarize(results: list[RunResult], modes: Sequence[str]) -> str:
     fields = [("jct_p50_s", "JCT p50 s"), ("jct_p99_s", "JCT p99 s"), ("ttft_p50_ms", "later TTFT p50 ms"),
-              ("ttft_p99_ms", "later TTFT p99 ms"), ("recomputed_tokens", "recomputed tokens")]
+              ("ttft_p99_ms", "later TTFT p99 ms"), ("recomputed_tokens", "recomputed tokens"),
+              ("host_tokens", "from host"), ("disk_tokens", "from disk")]
     lines = ["| mode | " + " | ".join(label for _, label in fields) + " | errors |",
              "|---|" + "---:|" * (len(fields) + 1)]
     by = {m: [r for r in results if r.mode == m] for m in modes}
@@ -183,12 +230,13 @@ def summarize(results: list[RunResult], modes: Sequence[str]) -> str:
             mean, half = mean_ci([getattr(r, f) for r in by[m]])
             cells.append(f"{mean:,.1f} ± {half:,.1f}")
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {sum(r.errors for r in by[m])} |")
-    if "off" in by:
-        lines += ["", "Per-seed ratio to off (mean ± 95% t-interval over seeds):", "",
+    base_mode = "off" if "off" in by else "B" if "B" in by else None
+    if base_mode is not None:
+        lines += ["", f"Per-seed ratio to {base_mode} (mean ± 95% t-interval over seeds):", "",
                   "| mode | " + " | ".join(label for _, label in fields) + " |", "|---|" + "---:|" * len(fields)]
-        base = {r.seed: r for r in by["off"]}
+        base = {r.seed: r for r in by[base_mode]}
         for m in modes:
-            if m == "off":
+            if m == base_mode:
                 continue
             cells = []
             for f, _ in fields:
@@ -215,11 +263,9 @@ def run(args) -> int:
         plans = scripts(sequences, args.sessions, args.turns, args.time_scale, args.max_gap_s, random.Random(seed))
         order = modes if seed % 2 == 0 else list(reversed(modes))  # no mode always runs first
         for mode in order:
-            server_args = ["--model", args.model, "--dtype", "bfloat16", "--residency", mode,
-                           "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
-                           "--max-model-len", str(args.max_model_len)]
-            with served(server_args) as srv:
-                r = asyncio.run(one_run(srv.url, args.model, mode, seed, plans, args))
+            with tempfile.TemporaryDirectory(prefix="agentserve-bench-kv-") as disk_dir:  # cold per run
+                with served(server_args(args, mode, Path(disk_dir))) as srv:
+                    r = asyncio.run(one_run(srv.url, args.model, mode, seed, plans, args))
             results.append(r)
             print(json.dumps(asdict(r)), flush=True)
             (out_dir / "results.json").write_text(json.dumps([asdict(x) for x in results], indent=1))
@@ -233,7 +279,8 @@ def add_args(p) -> None:
     p.add_argument("--traces", default="../shared/traces/weka-claude-code")
     p.add_argument("--max-files", type=int, default=200, help="even-numbered trace files read for gaps")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--modes", default="off,shadow,on")
+    p.add_argument("--modes", default="off,shadow,on",
+                   help="residency modes, or the tier ablations B,D,E,G (B LRU, D +tiers, E +residency, G all)")
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--turns", type=int, default=8)
@@ -243,6 +290,9 @@ def add_args(p) -> None:
     p.add_argument("--system-words", type=int, default=250)
     p.add_argument("--result-words", type=int, default=120)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--kv-cache-memory-gib", type=float, default=0.12)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=0.12,
+                   help="RAM for KV: the device pool, or pool + host store for D and G")
+    p.add_argument("--kv-host-share", type=float, default=0.25, help="D, G: share of that RAM in the host store")
+    p.add_argument("--kv-disk-gib", type=float, default=4.0, help="D, G: the disk tier's bound")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--out", default="bench-residency")

@@ -104,11 +104,7 @@ class Engine:
             extra_keys=self._keys(cache_salt),
             arrival_time=self.clock(),
         )
-        loading = False
-        if self.tiers is not None and self.scheduler.config.enable_prefix_caching:
-            self.scheduler.check_fits(request)  # a rejected request reads nothing from disk
-            loading = self.tiers.stage(rid, self.prompt_hashes_of(request), request.extra_keys)
-        self.scheduler.add(request, loading=loading)
+        self.scheduler.add(request)
         if sampling.stop:
             assert self.detokenizer is not None
             self._stop_text[rid] = IncrementalDecoder(self.detokenizer.decode)
@@ -174,7 +170,7 @@ class Engine:
         if batch.restores:
             tiers.restore(batch.restores)
         for request in self.scheduler.take_started():
-            tiers.on_started(request.block_hashes[: request.num_cached_blocks])
+            tiers.on_started(request.request_id, request.block_hashes[: request.num_cached_blocks])
 
     def _release_loaded(self, tiers: KvTiers) -> None:
         """Queue the requests whose disk reads ended (what was read is now in the host tier)."""
@@ -188,7 +184,10 @@ class Engine:
         """Write through to the lower tiers what the requests that just finished leave cached:
         their trajectories' next turns match it (engine/tiers.py)."""
         for request in self.scheduler.take_finished():
-            if self.tiers is not None and request.final_block_hashes:
+            if self.tiers is None:
+                continue
+            self.tiers.forget(request.request_id)
+            if request.final_block_hashes:
                 self.tiers.offload(request.final_block_hashes, request.extra_keys)
 
     def _check_stop_strings(self, output: RequestOutput) -> RequestOutput:

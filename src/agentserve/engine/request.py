@@ -129,6 +129,7 @@ class Request:
     num_reused_tokens: int | None = None  # prefix-cache hit at first admission (every tier)
     num_host_tokens: int = 0  # of those, restored from the host tier
     num_disk_tokens: int = 0  # of those, read from disk (then restored through host)
+    staged: bool = False  # a disk read was considered for it at admission (once per request)
     staged_hashes: frozenset[BlockHash] = frozenset()  # blocks read from disk for this request
     num_recomputed_tokens: int = 0  # tokens computed again after a preemption
     num_preemptions: int = 0

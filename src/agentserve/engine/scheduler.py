@@ -39,7 +39,7 @@ from agentserve.engine.request import (
 )
 from agentserve.engine.decode_run import DecodeOp, decode_horizon, plan_events
 from agentserve.kv.block_pool import BlockId, BlockPool
-from agentserve.kv.hashing import BlockHash, extend_block_hashes
+from agentserve.kv.hashing import BlockHash, ExtraKeys, extend_block_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +77,14 @@ class Restore:
 
 
 class LowerTier(Protocol):
-    """What the scheduler asks a lower tier (engine/tiers.py): how many of these hashes, from
-    the first, it can restore into the pool in this step."""
+    """What the scheduler asks the lower tiers (engine/tiers.py): how many of these hashes, from
+    the first, they can restore into the pool in this step (`match`); and, for a request about
+    to be admitted, whether to read the blocks after that run from disk first (`stage`: True if
+    a read was queued; the request then waits LOADING, its host run held for it)."""
 
     def match(self, hashes: Sequence[BlockHash]) -> int: ...
+    def stage(self, request_id: str, host_run: Sequence[BlockHash], rest: Sequence[BlockHash],
+              keys: ExtraKeys) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,19 +139,14 @@ class Scheduler:
         longest = min(request.num_prompt_tokens + request.sampling.max_tokens, self.config.max_model_len)
         return _cdiv(max(longest, request.num_tokens + 1) - 1, self.pool.block_size)
 
-    def add(self, request: Request, loading: bool = False) -> None:
+    def add(self, request: Request) -> None:
         """Queue a request; raises ValueError if it can never run. A request is accepted only
-        if its longest sequence fits the pool alone, so every accepted request can finish.
-        loading: its prefix is being read from a lower tier; it keeps its arrival priority and
-        is queued by `release` once the read ends."""
+        if its longest sequence fits the pool alone, so every accepted request can finish."""
         self.check_fits(request)
         request.priority = self._next_priority
         self._next_priority += 1
         self.requests[request.request_id] = request
-        if loading:
-            request.status = RequestStatus.LOADING
-        else:
-            self.waiting.append(request)  # the latest arrival: the end of the priority order
+        self.waiting.append(request)  # the latest arrival: the end of the priority order
 
     def check_fits(self, request: Request) -> None:
         """Raise ValueError (with the numbers) if request can never run."""
@@ -165,7 +164,8 @@ class Scheduler:
                 f"({self.pool.num_blocks * bs} tokens): lower max_tokens or the prompt")
 
     def release(self, request_id: RequestId) -> None:
-        """Queue a LOADING request in its priority place (unknown or finished ids are ignored)."""
+        """Queue a LOADING request again in its priority place, its disk read done (unknown or
+        finished ids are ignored)."""
         request = self.requests.get(request_id)
         if request is not None and request.status is RequestStatus.LOADING:
             request.status = RequestStatus.WAITING
@@ -250,8 +250,11 @@ class Scheduler:
             return
         while len(self.running) >= self.config.max_num_seqs:
             self._preempt(self.running[-1], request, preemptions, for_slot=True)
-        del self.waiting[0]
         matched, lower = self._match(request)
+        if self._stage(request, matched, lower):
+            del self.waiting[0]
+            return
+        del self.waiting[0]
         # Its blocks come in `_grow`; those of a lower-tier run now, if free blocks allow.
         lower = min(lower, self.pool.num_free_blocks - self.pool.count_free(matched))
         self._start(request, matched, lower, lower, (len(matched) + lower) * self.pool.block_size)
@@ -302,6 +305,9 @@ class Scheduler:
             if need > self.pool.num_free_blocks - self.pool.count_free(matched):
                 i, passed = i + 1, passed + 1
                 continue
+            if self._stage(request, matched, lower):
+                del self.waiting[i]
+                continue
             del self.waiting[i]
             self._start(request, matched, need, lower, computed)
             if in_flight is not None:
@@ -347,6 +353,24 @@ class Scheduler:
         request.num_computed_tokens = computed
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=_priority)
+
+    def _stage(self, request: Request, matched: list[BlockId], lower: int) -> bool:
+        """At admission, once per request: if its prefix continues on disk after the pool and
+        host runs, queue that read and hold it LOADING (admitted once `release` queues it
+        again, restoring from host). Reads start only for requests that would run now, so
+        what they bring waits for one read, not for the queue ahead."""
+        if self.lower is None or request.staged:
+            return False
+        request.staged = True
+        bs = self.pool.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        first, reach = len(matched), len(matched) + lower
+        if reach >= max_blocks or not self.lower.stage(
+                request.request_id, request.block_hashes[first:reach], request.block_hashes[reach:max_blocks],
+                request.extra_keys):
+            return False
+        request.status = RequestStatus.LOADING
+        return True
 
     def _restore(self, request: Request, first: int, n: int) -> None:
         ids, hashes = request.block_ids[first : first + n], request.block_hashes[first : first + n]

@@ -10,17 +10,19 @@ Data flow, all on the step thread except the disk I/O:
   then continues in the host store (`match`); it allocates blocks for the host run and lists them
   in `Batch.restores`; the engine copies them in (`restore`) before the forward. On CPU host and
   device are the same DRAM: a restore is a memcpy, not I/O.
-- **Stage from disk (before admission).** At `add`, the blocks of the prompt that follow its device
-  and host runs and are on disk are read by the worker; the request waits (`LOADING`) and the others
-  keep running. Each verified block goes into the host store; when the read ends the request is
-  queued and its admission restores them from host. A failed or partial read leaves the rest to be
-  recomputed.
+- **Stage from disk (at admission).** When the scheduler would admit a request whose prefix
+  continues on disk after its device and host runs, it asks `stage` first: the worker reads that
+  run while the request waits (`LOADING`, its arrival priority kept) and the others keep running.
+  Its host run and each verified block read are pinned in the host store until it is admitted,
+  restoring them from host. A failed or partial read leaves the rest to be recomputed. Reads
+  start only for requests that would run now, so pins are held for one read, not for a queue.
 
 The host store and every index the scheduler reads are touched only here, on the step thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -105,6 +107,7 @@ class KvTiers:
         self._ids: dict[str | None, CacheIdentity] = {}
         self._pending_disk: set[BlockHash] = set()  # queued for the disk, not yet written
         self.loading: dict[str, tuple[BlockHash, ...]] = {}  # request id -> hashes being read
+        self.pins: dict[str, list[BlockHash]] = {}  # request id -> host blocks pinned for it
         # prefetched into the pool, not yet hit: hash -> None (oldest first, bounded)
         self.prefetched: OrderedDict[BlockHash, None] = OrderedDict()
         self.max_prefetch_blocks = max(1, pool.num_blocks // 4)  # per call
@@ -126,24 +129,55 @@ class KvTiers:
         return self.host.match(hashes)
 
     # ── disk staging, at add ─────────────────────────────────────────────────────────────
-    def stage(self, request_id: str, hashes: Sequence[BlockHash], keys: ExtraKeys) -> bool:
-        """Queue a disk read of the prompt's blocks after its device and host runs; True if the
-        request must wait for it (the caller holds it as LOADING)."""
-        if self.worker is None or self.disk is None or not hashes:
+    def stage(self, request_id: str, host_run: Sequence[BlockHash], rest: Sequence[BlockHash],
+              keys: ExtraKeys) -> bool:
+        """The scheduler admits a request whose prompt continues after its pool and host runs
+        (`host_run`, in host now): queue a disk read of the run of `rest` that is on disk; True
+        if the request must wait for it (LOADING). Its host run and what the read brings are
+        pinned in the host store until it is admitted (`on_started`) or ends (`forget`), so other
+        traffic cannot evict them meanwhile; what the host store's bound cannot hold is left to
+        recompute."""
+        if self.worker is None or self.disk is None or not rest:
             return False
         ident = self._identity(keys)
-        start = len(self.pool.match_prefix(hashes))
-        start += self.host.match(hashes[start:])
         run = []
-        for h in hashes[start:]:
+        for h in rest:
             if not self.disk.contains(ident, h):
                 break
             run.append(h)
+        room = (self.host.capacity_bytes - self.host.pinned_bytes) // self.mover.block_nbytes
+        run = run[: max(0, room - len(host_run))]
         if not run or not self.worker.submit(ReadJob(request_id, ident, tuple(run))):
             self.counters.num_jobs_refused += bool(run)
             return False
+        pinned = []
+        for h in host_run:
+            payload = self.host.get(h)
+            if payload is None or not self.host.pin(h, payload):
+                break
+            pinned.append(h)
+        self.pins[request_id] = pinned
         self.loading[request_id] = tuple(run)
         return True
+
+    def on_started(self, request_id: str, hashes: Sequence[BlockHash]) -> None:
+        """A request was admitted with these cached blocks: its pins are released, and the
+        prefetched blocks among them are used."""
+        pins = self.pins.pop(request_id, None)
+        if pins:
+            self.host.unpin(pins)
+        if not self.prefetched:
+            return
+        pop = self.prefetched.pop
+        self.counters.num_prefetch_used += sum(pop(h, 0) is None for h in hashes)
+
+    def forget(self, request_id: str) -> None:
+        """A request ended (aborted while it waited, or done): release its pins; a read still
+        in flight for it lands unpinned."""
+        self.loading.pop(request_id, None)
+        pins = self.pins.pop(request_id, None)
+        if pins:
+            self.host.unpin(pins)
 
     def poll(self) -> list[tuple[str, tuple[BlockHash, ...]]]:
         """Apply finished I/O; the requests whose staged reads ended (to be queued), each with
@@ -161,13 +195,26 @@ class KvTiers:
                 c.write_disk_s += done.seconds
                 continue
             assert isinstance(done, ReadDone)
-            for h, p in zip(done.hashes, done.payloads, strict=True):
-                self.host.put(h, p)
             if done.key.startswith(PREFETCH):
+                # tail first: if the host store overflows, it drops the run's tail, not its head
+                for h, p in zip(reversed(done.hashes), reversed(done.payloads), strict=True):
+                    self.host.put(h, p)
                 self.loading.pop(done.key, None)
                 self._to_device(done.hashes)
                 continue
-            wanted = self.loading.pop(done.key, done.hashes)
+            wanted = self.loading.pop(done.key, None)
+            if wanted is None:  # its request ended while the read was in flight: keep, unpinned
+                for h, p in zip(reversed(done.hashes), reversed(done.payloads), strict=True):
+                    self.host.put(h, p)
+                continue
+            pins = self.pins.setdefault(done.key, [])
+            kept = 0
+            for h, p in zip(done.hashes, done.payloads, strict=True):
+                if not self.host.pin(h, p):
+                    break
+                pins.append(h)
+                kept += 1
+            done = ReadDone(done.key, done.hashes[:kept], done.payloads[:kept], done.seconds)
             c.num_staged_blocks += len(done.hashes)
             c.num_disk_read_misses += len(wanted) - len(done.hashes)
             c.bytes_read_disk += sum(map(len, done.payloads))
@@ -211,9 +258,11 @@ class KvTiers:
         c.gather_s += self.clock() - t0
         c.bytes_gathered += sum(map(len, payloads))
         to_disk_h, to_disk_p = [], []
-        for i, p in zip(picked, payloads, strict=True):
+        # tail first into host: if the sequence overflows the store, its head stays (a prefix)
+        for i, p in zip(reversed(picked), reversed(payloads), strict=True):
             if need_host[i] and self.host.put(hashes[i], p):
                 c.num_offloaded_blocks += 1
+        for i, p in zip(picked, payloads, strict=True):
             if need_disk[i]:
                 to_disk_h.append(hashes[i])
                 to_disk_p.append(p)
@@ -286,13 +335,6 @@ class KvTiers:
         self.counters.num_prefetched_blocks += n
         return n
 
-    def on_started(self, hashes: Sequence[BlockHash]) -> None:
-        """A request was admitted with these cached blocks: prefetched ones among them are used."""
-        if not self.prefetched:
-            return
-        pop = self.prefetched.pop
-        self.counters.num_prefetch_used += sum(pop(h, 0) is None for h in hashes)
-
     def sweep_prefetched(self) -> None:
         """Prefetched blocks evicted before any request used them are wasted."""
         index = self.pool.index
@@ -354,7 +396,8 @@ def build_kv_tiers(config: TierConfig, mover: KvMover, pool: BlockPool, identity
     if master is None:
         key_path = config.key_path or Path.home() / ".config" / "agentserve" / "kv.key"
         master = load_or_create_key(key_path, directory)
-    disk = DiskStore(directory, config.disk_bytes, identity, derive_keys(master, config.encrypt))
+    disk = DiskStore(directory, config.disk_bytes, identity, derive_keys(master, config.encrypt),
+                     page_cache=config.disk_page_cache)
     worker = TierWorker(disk, max_queued=config.max_queued_jobs)
     tiers = KvTiers(host, mover, identity, pool, worker=worker, disk=disk)
     tiers.probe = probe_rates(mover, pool, directory)
@@ -396,6 +439,7 @@ def _probe_disk(directory: Path, data: bytes) -> float | None:
         log.warning("disk tier probe in %s failed (%s): using the host figure", directory, exc)
         return None
     finally:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a directory that cannot be written: the store says so
+            path.unlink()
 
 

@@ -84,14 +84,19 @@ class DiskStore:
     """Block files for every tenant of one base identity; see the module docstring."""
 
     def __init__(
-        self, directory: Path, capacity_bytes: int, base: CacheIdentity, keys: SealKeys
+        self, directory: Path, capacity_bytes: int, base: CacheIdentity, keys: SealKeys,
+        page_cache: bool = True,
     ) -> None:
+        """page_cache False: every file written is synced and dropped from the OS page cache,
+        and every file read is dropped after it, so reads come from the device and the page
+        cache holds no KV outside the tiers' bounds (benchmarks at equal memory)."""
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
         self._dir = Path(directory)
         self._capacity = capacity_bytes
         self._base = base
         self._keys = keys
+        self._page_cache = page_cache
         # Guards _index, _stats and _logged_errnos; never held across file I/O.
         self._lock = threading.Lock()
         self._index: OrderedDict[_Key, int] = OrderedDict()  # -> file size; oldest use first
@@ -141,7 +146,7 @@ class DiskStore:
                 return None
         path = self._dir / key[0] / _name(block_hash)
         try:
-            blob = path.read_bytes()
+            blob = self._read(path)
         except FileNotFoundError:  # deleted by another process sharing the directory
             with self._lock:
                 self._drop_locked(key)
@@ -251,6 +256,18 @@ class DiskStore:
         self._ready.add(digest)
         return ns
 
+    def _read(self, path: Path) -> bytes:
+        if self._page_cache:
+            return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                blob = f.read()
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            return blob
+        finally:
+            os.close(fd)
+
     def _write_atomic(self, ns: Path, name: str, data: bytes) -> None:
         # No fsync: a file torn by a power loss fails its HMAC and is deleted when read, and a
         # cache gains nothing from durability that would pay for the latency.
@@ -261,6 +278,9 @@ class DiskStore:
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]
+                if not self._page_cache:
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
             with _flocked(ns):

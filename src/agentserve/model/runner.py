@@ -48,51 +48,22 @@ class ModelRunner:
     # ── whole blocks in and out of the pool, for the lower tiers (engine/tiers.py) ────────────
     @property
     def block_nbytes(self) -> int:
-        k = self.kv.k[0]
-        return 2 * len(self.kv.k) * self.block_size * k.shape[1] * k.shape[2] * k.element_size()
+        return self.kv.block_nbytes
 
     def kv_layout(self) -> str:
         """The payload layout of one block, for the cache identity."""
-        k = self.kv.k[0]
-        return (f"block-major[layers={len(self.kv.k)},kv=2,tokens={self.block_size},"
-                f"heads={k.shape[1]},dim={k.shape[2]}]")
+        return self.kv.layout()
 
     def kernel_options(self) -> str:
         """What else in the forward changes the KV bits (linear packing is checked bit-exact)."""
         kernels = "cpp-decode" if self.model.kernels is not None else "sdpa"
         return f"attention={kernels};torch={torch.__version__};device={self.device.type}"
 
-    @torch.inference_mode()
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
-        """Each block's K and V of every layer as one payload, block-major
-        [layers, 2, block_size, heads, head_dim], gathered in 2 x layers batched copies."""
-        if not block_ids:
-            return []
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        n, nb = len(block_ids), self.kv.k[0].shape[0] // self.block_size
-        staging = torch.empty((n, len(self.kv.k), 2, self.block_size * self.kv.k[0][0].numel()),
-                              dtype=self.kv.k[0].dtype, device=self.device)
-        for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v, strict=True)):
-            staging[:, layer, 0] = k.view(nb, -1).index_select(0, idx)
-            staging[:, layer, 1] = v.view(nb, -1).index_select(0, idx)
-        raw = staging.view(n, -1).view(torch.uint8).cpu().numpy()
-        return [raw[i].tobytes() for i in range(n)]
+        return self.kv.read_blocks(block_ids)
 
-    @torch.inference_mode()
     def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
-        """Copy payloads (read_blocks' layout) into the pool's blocks, batched the same way."""
-        if not block_ids:
-            return
-        size = self.block_nbytes
-        assert len(block_ids) == len(payloads) and all(len(p) == size for p in payloads)
-        n, nb = len(block_ids), self.kv.k[0].shape[0] // self.block_size
-        buf = bytearray().join(payloads)  # one copy, writable for frombuffer
-        staged = torch.frombuffer(buf, dtype=torch.uint8).view(self.kv.k[0].dtype)
-        staged = staged.view(n, len(self.kv.k), 2, -1).to(self.device)
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v, strict=True)):
-            k.view(nb, -1).index_copy_(0, idx, staged[:, layer, 0])
-            v.view(nb, -1).index_copy_(0, idx, staged[:, layer, 1])
+        self.kv.write_blocks(block_ids, payloads)
 
     def _slots(self, block_ids: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
         blocks = torch.tensor(block_ids, dtype=torch.int64)

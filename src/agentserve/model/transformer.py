@@ -8,6 +8,7 @@ positions, the KV slot each token writes, and per chunk the slots of its whole c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,52 @@ class PagedKV:
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+
+    # ── whole blocks in and out, for the lower tiers (engine/tiers.py) ────────────────────
+    @property
+    def block_nbytes(self) -> int:
+        k = self.k[0]
+        return 2 * len(self.k) * self.block_size * k.shape[1] * k.shape[2] * k.element_size()
+
+    def layout(self) -> str:
+        k = self.k[0]
+        return (f"block-major[layers={len(self.k)},kv=2,tokens={self.block_size},"
+                f"heads={k.shape[1]},dim={k.shape[2]}]")
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Each block's K and V of every layer as one payload, block-major
+        [layers, 2, block_size, heads, head_dim], gathered in 2 x layers batched copies."""
+        if not block_ids:
+            return []
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        n = len(block_ids)
+        # staging: [n, layers, 2, block_size * heads * head_dim]
+        staging = torch.empty((n, len(self.k), 2, self.block_size * self.k[0][0].numel()),
+                              dtype=self.k[0].dtype, device=self.device)
+        for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            staging[:, layer, 0] = k.view(self.num_blocks, -1).index_select(0, idx)
+            staging[:, layer, 1] = v.view(self.num_blocks, -1).index_select(0, idx)
+        raw = staging.view(n, -1).view(torch.uint8).cpu().numpy()
+        return [raw[i].tobytes() for i in range(n)]
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """Copy payloads (read_blocks' layout) into these blocks, batched the same way."""
+        if not block_ids:
+            return
+        assert len(block_ids) == len(payloads) and all(len(p) == self.block_nbytes for p in payloads)
+        n = len(block_ids)
+        buf = bytearray().join(payloads)  # one copy, writable for frombuffer
+        staged = torch.frombuffer(buf, dtype=torch.uint8).view(self.k[0].dtype)
+        staged = staged.view(n, len(self.k), 2, -1).to(self.device)
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            k.view(self.num_blocks, -1).index_copy_(0, idx, staged[:, layer, 0])
+            v.view(self.num_blocks, -1).index_copy_(0, idx, staged[:, layer, 1])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -56,7 +56,7 @@ def tier_config(args: argparse.Namespace) -> TierConfig:
         disk_dir=None if args.kv_disk_dir is None else Path(args.kv_disk_dir),
         disk_bytes=int(args.kv_disk_gib * 2**30) if args.kv_disk_dir is not None else 0,
         key=key, key_path=Path(args.kv_key_file) if args.kv_key_file else config_home / "agentserve" / "kv.key",
-        encrypt=args.kv_encrypt)
+        encrypt=args.kv_encrypt, disk_page_cache=not args.kv_disk_no_page_cache)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -146,6 +146,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--kv-key-file", default=None,
                    help="where the generated key lives (default: ~/.config/agentserve/kv.key)")
     t.add_argument("--kv-encrypt", action="store_true", help="AES-GCM on disk (HMAC-SHA256 always)")
+    t.add_argument("--kv-disk-no-page-cache", action="store_true",
+                   help="sync and drop block files from the OS page cache (reads come from the disk)")
     p.add_argument("--tool-parser", default="auto", choices=["auto", "hermes", "json", "qwen3_xml"])
     d = ServerConfig()
     g = p.add_argument_group("bounds (docs/reliability.md)")

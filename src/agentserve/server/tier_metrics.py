@@ -23,8 +23,8 @@ class TierCollector(Collector):
         used = GaugeMetricFamily(P + "used_bytes", "Bytes held, by tier", labels=["tier"])
         cap = GaugeMetricFamily(P + "capacity_bytes", "Bound, by tier", labels=["tier"])
         blocks = GaugeMetricFamily(P + "blocks", "Blocks held, by tier", labels=["tier"])
-        used.add_metric(["host"], t.host.index.used_bytes)
-        cap.add_metric(["host"], t.host.index.capacity_bytes)
+        used.add_metric(["host"], t.host.used_bytes)
+        cap.add_metric(["host"], t.host.capacity_bytes)
         blocks.add_metric(["host"], len(t.host.index))
         moved = CounterMetricFamily(P + "bytes_moved", "Bytes copied, by path",
                                     labels=["path"])

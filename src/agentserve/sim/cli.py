@@ -54,6 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-oversized", action="store_true", help="skip requests larger than the pool")
     p.add_argument("--events", default="none", choices=["none", "terminal"],
                    help="policy agent: lifecycle events a harness sends (terminal: trajectory_finished)")
+    p.add_argument("--host-tokens", default="0", help="host KV tier per replica, tokens (e.g. 4M; 0: none)")
+    p.add_argument("--disk-tokens", default="0", help="disk KV tier per replica, tokens (0: none)")
     p.add_argument("--out", default=None, help="write results.json, summary.md, plots, manifest.json")
     p.add_argument("--fit", action="store_true", help="print the synthetic config fitted to TRACE")
     p.set_defaults(func=run)
@@ -93,7 +95,8 @@ def _run(args: argparse.Namespace) -> int:
                   f"{len(workload.skipped)} records skipped; loaded in {load_s:.1f} s")
     caps = _capacities(args, plan, cost)
     base = SimConfig(caps[0], "lru", args.replicas, args.router, args.max_num_batched_tokens,
-                     args.max_num_seqs, not args.no_decode_runs, args.skip_oversized, args.events)
+                     args.max_num_seqs, not args.no_decode_runs, args.skip_oversized, args.events,
+                     _ints(args.host_tokens)[0], _ints(args.disk_tokens)[0])
     spec = SweepSpec(tuple(args.policy.split(",")), caps, seeds, base, Arrival(args.arrival), args.session_rate)
     rows = []
     for row, _ in run_sweep(plan, spec, cost, lambda m: console.print(f"[dim]{m}[/]")):

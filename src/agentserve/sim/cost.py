@@ -40,6 +40,11 @@ class CostModel(Protocol):
     """step_time_of takes StepShape's fields in order (no object per step in decode runs)."""
 
     name: str
+    kv_bytes_per_token: int
+    link_bw: float  # host <-> device, bytes per second
+    disk_read_bw: float
+    disk_write_bw: float
+    disk_latency_s: float
 
     def step_time_of(self, num_seqs: int, num_tokens: int, attn_pairs: int, ctx_tokens: int,
                      num_decodes: int, kv_bytes_moved: int = 0) -> float: ...
@@ -96,7 +101,11 @@ class Roofline:
     mfu: float = 0.5  # achieved fraction of peak_flops
     mbu: float = 0.7  # achieved fraction of mem_bw
     step_overhead_s: float = 0.003  # scheduling, launch, sampling
-    link_bw: float = 25e9  # host <-> device bytes per second, for tier moves
+    link_bw: float = 25e9  # host <-> device bytes per second, for tier moves (PCIe Gen5 x16, achieved)
+    # The disk tier: a host's local NVMe (an H200 node's RAID of Gen4 drives, achieved figures).
+    disk_read_bw: float = 10e9
+    disk_write_bw: float = 5e9
+    disk_latency_s: float = 1e-4
 
     def step_time_of(self, num_seqs: int, num_tokens: int, attn_pairs: int, ctx_tokens: int,
                      num_decodes: int, kv_bytes_moved: int = 0) -> float:
@@ -134,11 +143,19 @@ class Linear:
     per_decode_token_s: float
     per_attn_pair_s: float
     source: str = ""
+    # Tier moves on this machine (measured; docs/benchmarks.md): host <-> pool is a memcpy in
+    # the same DRAM, the disk 1.3-2.0 GB/s with direct I/O. KV of Qwen2.5-Coder-0.5B bf16.
+    kv_bytes_per_token: int = 12_288
+    link_bw: float = 5e9
+    disk_read_bw: float = 1.5e9
+    disk_write_bw: float = 1.3e9
+    disk_latency_s: float = 2e-4
 
     def step_time_of(self, num_seqs: int, num_tokens: int, attn_pairs: int, ctx_tokens: int,
                      num_decodes: int, kv_bytes_moved: int = 0) -> float:
         return (self.step_overhead_s + self.per_prefill_token_s * (num_tokens - num_decodes)
-                + self.per_decode_token_s * num_decodes + self.per_attn_pair_s * attn_pairs)
+                + self.per_decode_token_s * num_decodes + self.per_attn_pair_s * attn_pairs
+                + kv_bytes_moved / self.link_bw)
 
     def decode_run_time(self, num_seqs: int, ctx0: int, num_steps: int) -> float:
         x = self.step_overhead_s + self.per_decode_token_s * num_seqs + self.per_attn_pair_s * ctx0

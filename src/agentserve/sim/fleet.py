@@ -32,12 +32,13 @@ from agentserve.sim.policies import PolicyContext, get_policy
 from agentserve.sim.progress import Progress
 from agentserve.sim.replica import Replica, ReplicaStats
 from agentserve.sim.router import make_router
+from agentserve.sim.tiers import sim_tiers
 from agentserve.sim.tokens import VirtualTokens
 from agentserve.trajectory.registry import State, TrajectoryKey
 from agentserve.trajectory.residency import Residency
 from agentserve.workload.model import StopReason, Timing
 
-_STEP_END, _ARRIVAL = 0, 1
+_STEP_END, _ARRIVAL, _TIER_DONE = 0, 1, 2
 _KEYS = ExtraKeys("sim")  # one model, one tenant: block ids alone decide sharing
 _EXPIRE_EVERY_S = 10.0  # how often residency policies drop trajectories idle too long
 
@@ -61,6 +62,8 @@ class SimConfig:
     decode_runs: bool = True  # take pure decode steps in runs (same records, much faster)
     skip_oversized: bool = False  # skip (and count) requests larger than the pool, else refuse
     events: str = "none"  # lifecycle events a harness sends the `agent` policy: none | terminal
+    host_tokens: int = 0  # host KV tier per replica, in tokens (0: none)
+    disk_tokens: int = 0  # disk KV tier per replica, in tokens (0: none)
 
     def __post_init__(self) -> None:
         if self.events not in ("none", "terminal"):
@@ -69,6 +72,10 @@ class SimConfig:
         for name in ("capacity_tokens", "num_replicas", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise SimError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_tokens < 0 or self.disk_tokens < 0:
+            raise SimError("host_tokens and disk_tokens must be >= 0")
+        if (self.host_tokens or self.disk_tokens) and not get_policy(self.policy).prefix_caching:
+            raise SimError(f"KV tiers need the prefix cache; policy {self.policy!r} has none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +142,17 @@ class Fleet:
                 residency.attach(built)  # receipts count resident blocks (no tombstones here)
             return built
 
-        self.replicas = [Replica(i, Scheduler(sched, pool(i)), cost, config.decode_runs)
-                         for i in range(config.num_replicas)]
+        def replica(i: int) -> Replica:
+            built = pool(i)
+            tiers = None
+            if config.host_tokens or config.disk_tokens:
+                tiers = sim_tiers(config.host_tokens, config.disk_tokens, bs, cost, built, lambda: self.now,
+                                  lambda t: self._push(t, _TIER_DONE, i, 0))
+                if self.residency[i] is not None:
+                    self.residency[i].tiers = tiers  # type: ignore[union-attr]
+            return Replica(i, Scheduler(sched, built, lower=tiers), cost, config.decode_runs, tiers)
+
+        self.replicas = [replica(i) for i in range(config.num_replicas)]
         self.records: list[RequestRecord] = []
         self.jct: list[float] = []
         self.num_skipped = 0
@@ -174,6 +190,13 @@ class Fleet:
                 self._submit(a, b, t)
                 continue
             rep = self.replicas[a]
+            if kind == _TIER_DONE:  # a disk job ended: queue the requests it read for
+                end = rep.sync(t)
+                if end is not None:
+                    self._push(end, _STEP_END, rep.index, rep.generation)
+                if rep.idle:
+                    self._start(rep, t)
+                continue
             if b != rep.generation:
                 continue  # superseded: a decode run was cut short
             for o in rep.finish(t):
@@ -226,7 +249,7 @@ class Fleet:
         self.records.append(RequestRecord(
             chain.session, c, j, r, req.arrival_time, o.first_token_time or now, now, o.num_prompt_tokens,
             o.num_reused_tokens, eligible, o.num_recomputed_tokens,
-            o.num_generated_tokens, req.num_preemptions))
+            o.num_generated_tokens, req.num_preemptions, o.num_host_tokens, o.num_disk_tokens))
         self._turn_done(c, j, now, req.block_hashes)
 
     def _turn_done(self, c: int, j: int, now: float, full: list[int]) -> None:

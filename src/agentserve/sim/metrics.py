@@ -21,6 +21,8 @@ class RequestRecord:
     preempt_recomputed_tokens: int  # computed again after a preemption
     generated_tokens: int
     preemptions: int
+    host_tokens: int = 0  # of reused_tokens, restored from the host tier
+    disk_tokens: int = 0  # ... read from disk
 
     @property
     def eligible_reused_tokens(self) -> int:
@@ -64,6 +66,8 @@ def summarize(records: Sequence[RequestRecord], session_jct: Sequence[float], ma
         requests=len(records), sessions=len(session_jct), prompt_tokens=prompt, reused_tokens=reused,
         eligible_tokens=eligible, recomputed_tokens=rebuilt, prefill_tokens=prefill,
         generated_tokens=generated, preemptions=sum(r.preemptions for r in records),
+        reused_host_tokens=sum(r.host_tokens for r in records),
+        reused_disk_tokens=sum(r.disk_tokens for r in records),
         reuse_ratio=eligible_reused / eligible if eligible else 0.0,
         rebuild_tax=rebuilt / prefill if prefill else 0.0,
         jct_p50_s=percentile(session_jct, 50), jct_p95_s=percentile(session_jct, 95),

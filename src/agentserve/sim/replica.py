@@ -11,10 +11,11 @@ closed form).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from agentserve.engine.request import RequestOutput
 from agentserve.engine.scheduler import Batch, Scheduler
+from agentserve.engine.tiers import KvTiers
 from agentserve.sim.cost import CostModel, batch_shape, step_time
 
 SAMPLED_TOKEN = 0  # what every simulated step samples: never a stop token (ignore_eos, no stop ids)
@@ -28,9 +29,11 @@ class ReplicaStats:
 
 
 class Replica:
-    def __init__(self, index: int, scheduler: Scheduler, cost: CostModel, decode_runs: bool = True) -> None:
+    def __init__(self, index: int, scheduler: Scheduler, cost: CostModel, decode_runs: bool = True,
+                 tiers: KvTiers | None = None) -> None:
         self.index = index
         self.scheduler = scheduler
+        self.tiers = tiers  # the server's KvTiers over simulated stores (sim/tiers.py)
         self.cost = cost
         self.decode_runs = decode_runs
         self.stats = ReplicaStats()
@@ -52,6 +55,8 @@ class Replica:
         """Begin the next step or decode run; its end time, or None when there is nothing to do."""
         assert self.idle
         sch = self.scheduler
+        if self.tiers is not None:
+            self.poll_tiers()
         if not sch.has_unfinished():
             return None
         k = sch.decode_horizon() if self.decode_runs else 0
@@ -61,9 +66,43 @@ class Replica:
             self._run = (len(running), sum(q.num_computed_tokens for q in running) + len(running), k)
             return self._run_end(k)
         batch = sch.schedule(now)
+        if not batch.chunks and self.tiers is not None and sch.num_loading():
+            return None  # only requests whose disk reads are in flight: woken when one ends
         assert batch.chunks, "unfinished requests but nothing to schedule"
         self._batch = batch
-        return now + step_time(self.cost, batch_shape(batch))
+        return now + self._step_time(batch)
+
+    def _step_time(self, batch: Batch) -> float:
+        """The step's time; with tiers, the restores it copies in first and the forward rate
+        the advice measures."""
+        tiers = self.tiers
+        if tiers is None:
+            return step_time(self.cost, batch_shape(batch))
+        moved = 0
+        if batch.restores:
+            tiers.restore(batch.restores)
+            moved = sum(len(r.block_ids) for r in batch.restores) * tiers.mover.block_nbytes
+        for request in self.scheduler.take_started():
+            tiers.on_started(request.request_id, request.block_hashes[: request.num_cached_blocks])
+        t = step_time(self.cost, replace(batch_shape(batch), kv_bytes_moved=moved))
+        tiers.timed_step(batch.num_tokens, t)
+        return t
+
+    def poll_tiers(self) -> None:
+        """Apply finished disk jobs: requests whose reads ended are queued (Engine.step's first act)."""
+        assert self.tiers is not None
+        for rid, staged in self.tiers.poll():
+            request = self.scheduler.requests.get(rid)  # type: ignore[call-overload]
+            if request is not None:
+                request.staged_hashes = frozenset(staged)
+            self.scheduler.release(rid)  # type: ignore[arg-type]
+
+    def _offload(self) -> None:
+        if self.tiers is not None:
+            for request in self.scheduler.take_finished():
+                self.tiers.forget(request.request_id)
+                if request.final_block_hashes:
+                    self.tiers.offload(request.final_block_hashes, request.extra_keys)
 
     def _run_end(self, j: int) -> float:
         """End of step j-1 of the run in flight (its start for j = 0)."""
@@ -78,12 +117,16 @@ class Replica:
             k, self._run = self._run[2], None
             self.stats.num_steps += k
             self.stats.num_decode_runs += 1
-            return self.scheduler.decode_ahead(k, SAMPLED_TOKEN)
+            outputs = self.scheduler.decode_ahead(k, SAMPLED_TOKEN)
+            self._offload()
+            return outputs
         batch, self._batch = self._batch, None
         assert batch is not None
         self.stats.num_steps += 1
         sampled = {c.request_id: SAMPLED_TOKEN for c in batch.chunks if c.sample}
-        return self.scheduler.update(batch, sampled, now)
+        outputs = self.scheduler.update(batch, sampled, now)
+        self._offload()
+        return outputs
 
     def sync(self, now: float) -> float | None:
         """Before something changes this replica at `now`: if a decode run is in flight, apply
@@ -104,9 +147,10 @@ class Replica:
         if j:
             self.scheduler.decode_ahead(j, SAMPLED_TOKEN)
             self.stats.num_steps += j
+            self._offload()
         start = self._run_end(j)
         self.stats.busy_s += start - self._start
         self._run, self._start = None, start
         self._batch = self.scheduler.schedule(start)
         self.generation += 1
-        return start + step_time(self.cost, batch_shape(self._batch))
+        return start + self._step_time(self._batch)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from agentserve.sim.cost import CostModel
+from agentserve.sim.policies import get_policy
 from agentserve.sim.fleet import SimConfig, SimResult, check_capacity, simulate
 from agentserve.sim.oracle import NextUse
 from agentserve.sim.plan import Arrival, Plan, session_starts
@@ -47,7 +48,8 @@ def run_sweep(plan: Plan, spec: SweepSpec, cost: CostModel,
 
         for cap in spec.capacities:
             for policy in spec.policies:
-                cfg = replace(spec.base, capacity_tokens=cap, policy=policy)
+                no_cache = {} if get_policy(policy).prefix_caching else {"host_tokens": 0, "disk_tokens": 0}
+                cfg = replace(spec.base, capacity_tokens=cap, policy=policy, **no_cache)  # tiers need a cache
                 progress(f"seed {seed}, {cap:,} tokens, {policy}")
                 result = simulate(plan, starts, cfg, cost, get_oracle)
                 row: dict[str, object] = dict(policy=policy, capacity_tokens=cap, seed=seed,

@@ -295,8 +295,9 @@ class Residency:
                 self.tiers.prefetch(pause.hashes, key.tenant)
 
     def _release_lower(self, t: Trajectory) -> None:
-        """Delete from the lower tiers its blocks no protected trajectory holds (a shared
-        prefix of protected ones stays; any other is written through again by its next user)."""
+        """It ended (finished, cancelled, its session closed): delete from the lower tiers its
+        blocks no protected trajectory holds (a shared prefix of protected ones stays; any other
+        is written through again by its next user)."""
         if self.tiers is not None and t.hashes:
             self.tiers.release([h for h in t.hashes if h not in self.holders], t.key.tenant)
 
@@ -304,8 +305,7 @@ class Residency:
         """It left the registry unreturned: censored at its wait, protection released."""
         self._close(t.key, outcome, now)
         self._unprotect(t.key)
-        self._release_lower(t)
-        self._untail(t.key)
+        self._untail(t.key)  # its lower copies stay: it may still come back (the tiers' bounds age them)
 
     def _untail(self, key: TrajectoryKey) -> None:
         for h in self._tail_of.pop(key, ()):
@@ -326,9 +326,8 @@ class Residency:
         if self.tiers is not None and advice.action == "retain":
             advice = self._tier_advice(t, cls, advice, expected, now)
         self._pauses[t.key] = _Pause(start_s, cls, t.hashes, advice, expected)
-        if advice.action == "release":
-            self._unprotect(t.key)
-            self._release_lower(t)
+        # A release unprotects it here; its lower copies stay (their space is not the pool's, and
+        # the tiers' own bounds evict them): only an ended trajectory is deleted below.
         if advice.action == "retain":
             if t.key not in self.protected:
                 self._protect(t)
