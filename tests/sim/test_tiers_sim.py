@@ -51,7 +51,7 @@ def test_tiers_serve_what_the_pool_dropped_and_never_cost_recompute(cc_plan, sta
             rep.scheduler.pool.check()
             rep.tiers.host.check()
             assert rep.scheduler.pool.num_free_blocks == rep.scheduler.pool.num_blocks
-            assert not rep.tiers.pins and rep.tiers.host.pinned_bytes == 0
+            assert not rep.tiers.loading and rep.scheduler.num_loading() == 0
             if disk:
                 rep.tiers.disk.index.check()
                 assert rep.tiers.counters.num_staged_blocks > 0

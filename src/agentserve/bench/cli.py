@@ -140,6 +140,18 @@ def _kv_copy(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _restart(args: argparse.Namespace) -> int:
+    from agentserve.bench.restart_bench import run
+
+    return run(args)
+
+
+def _tier_grid(args: argparse.Namespace) -> int:
+    from agentserve.sim.tier_grid import run
+
+    return run(args)
+
+
 def _prediction(args: argparse.Namespace) -> int:
     from agentserve.sim.prediction import run
 
@@ -231,6 +243,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     k = sub.add_parser("kv-copy", help="pool <-> host <-> disk KV moves against a plain memcpy")
     kv_copy_args(k)
     k.set_defaults(func=_kv_copy)
+    from agentserve.bench.restart_bench import add_args as restart_args
+
+    rs = sub.add_parser("restart", help="a session's next turn after a server restart, against a cold server")
+    restart_args(rs)
+    rs.set_defaults(func=_restart)
+    from agentserve.sim.tier_grid import add_args as tier_grid_args
+
+    tg = sub.add_parser("tier-grid", help="the Claude Code grid with KV tiers in the simulator (B, D, E, G)")
+    tier_grid_args(tg)
+    tg.set_defaults(func=_tier_grid)
     q = sub.add_parser("prediction", help="return-time prediction quality of the residency policy, in the simulator")
     q.add_argument("trace", nargs="+", help="trace files or directories")
     q.add_argument("--sessions", type=int, default=100)

@@ -149,14 +149,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         tiers = self.tiers
         if tiers is not None:
-            self._release_loaded(tiers)
+            tiers.apply_loads(self.scheduler)
         batch = self.scheduler.schedule(self.clock())
+        if tiers is not None:
+            self._before_run(tiers, batch)
         if not batch.chunks:
             if tiers is not None and tiers.loading and tiers.worker is not None:
                 tiers.worker.wake.wait(0.005)  # nothing to run until a disk read ends
             return []
-        if tiers is not None:
-            self._before_run(tiers, batch)
         t0 = self.clock()
         result = self.runner.run(batch)
         if tiers is not None:
@@ -170,24 +170,13 @@ class Engine:
         if batch.restores:
             tiers.restore(batch.restores)
         for request in self.scheduler.take_started():
-            tiers.on_started(request.request_id, request.block_hashes[: request.num_cached_blocks])
-
-    def _release_loaded(self, tiers: KvTiers) -> None:
-        """Queue the requests whose disk reads ended (what was read is now in the host tier)."""
-        for rid, staged in tiers.poll():
-            request = self.scheduler.requests.get(RequestId(rid))
-            if request is not None:
-                request.staged_hashes = frozenset(staged)
-            self.scheduler.release(RequestId(rid))
+            tiers.on_started(request.block_hashes[: request.num_cached_blocks])
 
     def _offload(self) -> None:
         """Write through to the lower tiers what the requests that just finished leave cached:
         their trajectories' next turns match it (engine/tiers.py)."""
         for request in self.scheduler.take_finished():
-            if self.tiers is None:
-                continue
-            self.tiers.forget(request.request_id)
-            if request.final_block_hashes:
+            if self.tiers is not None and request.final_block_hashes:
                 self.tiers.offload(request.final_block_hashes, request.extra_keys)
 
     def _check_stop_strings(self, output: RequestOutput) -> RequestOutput:

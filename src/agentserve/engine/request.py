@@ -91,7 +91,7 @@ class TokenIds(Protocol):
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
-    LOADING = "loading"  # its prefix is being read from a lower tier; queued once that ends
+    LOADING = "loading"  # admitted, its blocks held, while its prefix is read from disk
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -129,8 +129,8 @@ class Request:
     num_reused_tokens: int | None = None  # prefix-cache hit at first admission (every tier)
     num_host_tokens: int = 0  # of those, restored from the host tier
     num_disk_tokens: int = 0  # of those, read from disk (then restored through host)
-    staged: bool = False  # a disk read was considered for it at admission (once per request)
-    staged_hashes: frozenset[BlockHash] = frozenset()  # blocks read from disk for this request
+    staged: bool = False  # a disk read was considered at this admission
+    load_key: str | None = None  # its disk read in flight, while LOADING
     num_recomputed_tokens: int = 0  # tokens computed again after a preemption
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

@@ -78,13 +78,13 @@ class Restore:
 
 class LowerTier(Protocol):
     """What the scheduler asks the lower tiers (engine/tiers.py): how many of these hashes, from
-    the first, they can restore into the pool in this step (`match`); and, for a request about
-    to be admitted, whether to read the blocks after that run from disk first (`stage`: True if
-    a read was queued; the request then waits LOADING, its host run held for it)."""
+    the first, the host tier can restore into the pool in this step (`match`); how many the
+    disk holds (`disk_run`); and to start reading a disk run for a request (`load`: False if
+    the read cannot be queued now)."""
 
     def match(self, hashes: Sequence[BlockHash]) -> int: ...
-    def stage(self, request_id: str, host_run: Sequence[BlockHash], rest: Sequence[BlockHash],
-              keys: ExtraKeys) -> bool: ...
+    def disk_run(self, hashes: Sequence[BlockHash], keys: ExtraKeys) -> int: ...
+    def load(self, key: str, hashes: Sequence[BlockHash], keys: ExtraKeys) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,27 +163,46 @@ class Scheduler:
                 f"{needed} KV blocks ({needed * bs} tokens); the pool has {self.pool.num_blocks} "
                 f"({self.pool.num_blocks * bs} tokens): lower max_tokens or the prompt")
 
-    def release(self, request_id: RequestId) -> None:
-        """Queue a LOADING request again in its priority place, its disk read done (unknown or
-        finished ids are ignored)."""
-        request = self.requests.get(request_id)
-        if request is not None and request.status is RequestStatus.LOADING:
-            request.status = RequestStatus.WAITING
-            bisect.insort(self.waiting, request, key=_priority)
+    def loading_request(self, key: str) -> Request | None:
+        """The LOADING request a disk read with this key is for; None if it was preempted or
+        ended since (the read is then stale)."""
+        request = self.requests.get(RequestId(key.rsplit("#", 1)[0]))
+        if request is None or request.status is not RequestStatus.LOADING or request.load_key != key:
+            return None
+        return request
+
+    def loaded(self, request: Request, n: int) -> tuple[list[BlockId], list[BlockHash]]:
+        """Its disk read ended with the first n blocks of the run read and verified (the caller
+        copies them into the returned blocks first): they are published and counted as
+        computed; the rest of the run is computed. It runs from the next schedule."""
+        assert request.status is RequestStatus.LOADING
+        first = request.num_cached_blocks
+        ids, hashes = request.block_ids[first : first + n], request.block_hashes[first : first + n]
+        self.pool.insert_many(ids, hashes)
+        request.num_cached_blocks += n
+        request.num_computed_tokens += n * self.pool.block_size
+        tokens = n * self.pool.block_size
+        if request.num_preemptions == 0:
+            request.num_reused_tokens = (request.num_reused_tokens or 0) + tokens
+            request.num_disk_tokens += tokens
+        else:
+            request.num_recomputed_tokens -= min(tokens, request.num_recomputed_tokens)
+        request.status = RequestStatus.RUNNING
+        request.load_key = None
+        return ids, hashes
 
     def num_loading(self) -> int:
-        return sum(r.status is RequestStatus.LOADING for r in self.requests.values())
+        return sum(r.status is RequestStatus.LOADING for r in self.running)
 
     def finish(self, request_id: RequestId, reason: FinishReason, error: str | None = None) -> Request | None:
         """End a request (abort, stop string, a failure): free its blocks at once. None if unknown."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status is RequestStatus.RUNNING:
+        if request.status in (RequestStatus.RUNNING, RequestStatus.LOADING):
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
-        # (a LOADING request is in neither list and holds no blocks)
         if request.num_cached_blocks:
             request.final_block_hashes = tuple(request.block_hashes[: request.num_cached_blocks])
         self._free_blocks(request)
@@ -218,6 +237,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.status is RequestStatus.LOADING:  # its blocks are being read from disk
+                i += 1
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._grow(request, n, preemptions):
                 continue  # request itself was preempted; running[i] is now the next one
@@ -229,8 +251,7 @@ class Scheduler:
         finished: tuple[RequestId, ...] = ()
         if chunks:  # an empty batch is not run: keep the list for the next one
             finished, self._finished = tuple(self._finished), []
-        restores, self._restores = tuple(self._restores), []
-        assert chunks or not restores, "a restore always comes with its request's chunk"
+        restores, self._restores = tuple(self._restores), []  # (a LOADING request's host run too)
         return Batch(chunks=tuple(chunks), preemptions=tuple(preemptions), finished=finished,
                      restores=restores)
 
@@ -251,12 +272,12 @@ class Scheduler:
         while len(self.running) >= self.config.max_num_seqs:
             self._preempt(self.running[-1], request, preemptions, for_slot=True)
         matched, lower = self._match(request)
-        if self._stage(request, matched, lower):
-            del self.waiting[0]
-            return
+        free = self.pool.num_free_blocks - self.pool.count_free(matched)
         del self.waiting[0]
+        if self._load(request, matched, lower, free):
+            return
         # Its blocks come in `_grow`; those of a lower-tier run now, if free blocks allow.
-        lower = min(lower, self.pool.num_free_blocks - self.pool.count_free(matched))
+        lower = min(lower, free)
         self._start(request, matched, lower, lower, (len(matched) + lower) * self.pool.block_size)
 
     def _grow(self, request: Request, n: int, preemptions: list[Preemption]) -> bool:
@@ -275,6 +296,8 @@ class Scheduler:
     def _preempt(self, request: Request, by: Request, preemptions: list[Preemption], for_slot: bool) -> None:
         assert by.priority <= request.priority, "a request is preempted only for an earlier arrival"
         self.running.remove(request)
+        request.load_key = None  # a read in flight for it is stale now
+        request.staged = False  # it may load from disk again when it is admitted again
         self._free_blocks(request)
         request.num_recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
@@ -302,13 +325,13 @@ class Scheduler:
                     i += 1  # it waits a step; the ones behind it may go
                     continue
             computed, n, need = self._admission(request, reach, budget, len(matched))
-            if need > self.pool.num_free_blocks - self.pool.count_free(matched):
+            free = self.pool.num_free_blocks - self.pool.count_free(matched)
+            if need > free:
                 i, passed = i + 1, passed + 1
                 continue
-            if self._stage(request, matched, lower):
-                del self.waiting[i]
-                continue
             del self.waiting[i]
+            if self._load(request, matched, lower, free):
+                continue
             self._start(request, matched, need, lower, computed)
             if in_flight is not None:
                 in_flight.update(request.block_hashes[request.num_cached_blocks :])
@@ -342,34 +365,34 @@ class Scheduler:
             self._started.append(request)
         if request.num_reused_tokens is None:
             request.num_reused_tokens = min(computed, request.num_prompt_tokens)
-            bs = self.pool.block_size
-            restored = request.block_hashes[len(matched) : len(matched) + lower]
-            from_disk = sum(h in request.staged_hashes for h in restored)
-            request.num_disk_tokens = min(from_disk * bs, request.num_reused_tokens)
-            request.num_host_tokens = min((lower - from_disk) * bs,
-                                          request.num_reused_tokens - request.num_disk_tokens)
+            request.num_host_tokens = min(lower * self.pool.block_size, request.num_reused_tokens)
         else:  # back after preemption: the hit is recomputation avoided
             request.num_recomputed_tokens -= min(computed, request.num_recomputed_tokens)
         request.num_computed_tokens = computed
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=_priority)
 
-    def _stage(self, request: Request, matched: list[BlockId], lower: int) -> bool:
-        """At admission, once per request: if its prefix continues on disk after the pool and
-        host runs, queue that read and hold it LOADING (admitted once `release` queues it
-        again, restoring from host). Reads start only for requests that would run now, so
-        what they bring waits for one read, not for the queue ahead."""
+    def _load(self, request: Request, matched: list[BlockId], lower: int, free: int) -> bool:
+        """At admission, once per admission: if its prefix continues on disk after the pool and
+        host runs, start it LOADING instead: blocks are allocated for the host and disk runs
+        (the host run is restored now, as always), the disk run is read into the others by
+        the worker, and until `loaded` it holds them and a sequence slot without running. A
+        read starts only for a request that would run now: it waits for one read, not a queue."""
         if self.lower is None or request.staged:
             return False
         request.staged = True
-        bs = self.pool.block_size
-        max_blocks = (request.num_tokens - 1) // bs
-        first, reach = len(matched), len(matched) + lower
-        if reach >= max_blocks or not self.lower.stage(
-                request.request_id, request.block_hashes[first:reach], request.block_hashes[reach:max_blocks],
-                request.extra_keys):
+        reach = len(matched) + lower
+        max_blocks = (request.num_tokens - 1) // self.pool.block_size
+        n = 0 if reach >= max_blocks else min(
+            self.lower.disk_run(request.block_hashes[reach:max_blocks], request.extra_keys), free - lower)
+        if n <= 0:
             return False
+        key = f"{request.request_id}#{request.num_preemptions}"
+        if not self.lower.load(key, request.block_hashes[reach : reach + n], request.extra_keys):
+            return False
+        self._start(request, matched, lower + n, lower, reach * self.pool.block_size)
         request.status = RequestStatus.LOADING
+        request.load_key = key
         return True
 
     def _restore(self, request: Request, first: int, n: int) -> None:
@@ -474,6 +497,8 @@ class Scheduler:
         for any k up to this number is exactly k schedule/update steps. 0 when there are none."""
         if self._earliest_waiting() is not None:
             return 0  # it is admitted in the next step
+        if self.lower is not None and self.num_loading():
+            return 0  # a read may end at any moment
         blocked = not self.waiting or len(self.running) >= self.config.max_num_seqs or self._admission_blocked()
         return decode_horizon(self.running, 0 if blocked else len(self.waiting), self.config,
                               self.pool.num_free_blocks)

@@ -34,7 +34,7 @@ from typing import Protocol
 
 from agentserve.config import TierConfig
 
-from agentserve.engine.scheduler import Restore
+from agentserve.engine.scheduler import Restore, Scheduler
 from agentserve.kv.block_pool import BlockId, BlockPool
 from agentserve.kv.disk_store import DiskStats
 from agentserve.kv.hashing import BlockHash, ExtraKeys
@@ -71,7 +71,7 @@ class DiskIndex(Protocol):
 class TierCounters:
     num_offloaded_blocks: int = 0  # gathered from the pool into the host store
     num_restored_blocks: int = 0  # copied from host into the pool
-    num_staged_blocks: int = 0  # read from disk into host ahead of an admission
+    num_staged_blocks: int = 0  # read from disk into a LOADING request's blocks
     num_disk_written_blocks: int = 0
     num_disk_write_failures: int = 0
     num_disk_read_misses: int = 0  # blocks a staged read expected but did not get (recomputed)
@@ -81,6 +81,8 @@ class TierCounters:
     num_prefetch_wasted: int = 0  # ... and evicted before any request hit them
     num_prefetch_displaced: int = 0  # cached blocks evicted to make room for prefetched ones
     num_released_blocks: int = 0  # deleted from the lower tiers (trajectory released or ended)
+    num_restore_waits: int = 0  # requests that waited for a disk read (LOADING at admission)
+    restore_wait_s: float = 0.0  # ... their total wait, admission to read done
     bytes_gathered: int = 0
     gather_s: float = 0.0
     bytes_scattered: int = 0
@@ -106,8 +108,8 @@ class KvTiers:
         self.counters = TierCounters()
         self._ids: dict[str | None, CacheIdentity] = {}
         self._pending_disk: set[BlockHash] = set()  # queued for the disk, not yet written
-        self.loading: dict[str, tuple[BlockHash, ...]] = {}  # request id -> hashes being read
-        self.pins: dict[str, list[BlockHash]] = {}  # request id -> host blocks pinned for it
+        self.loading: dict[str, tuple[BlockHash, ...]] = {}  # read key -> hashes being read
+        self._loaded_at: dict[str, float] = {}  # load key -> when it was queued
         # prefetched into the pool, not yet hit: hash -> None (oldest first, bounded)
         self.prefetched: OrderedDict[BlockHash, None] = OrderedDict()
         self.max_prefetch_blocks = max(1, pool.num_blocks // 4)  # per call
@@ -128,63 +130,41 @@ class KvTiers:
         """How many of hashes, from the first, the host store can restore."""
         return self.host.match(hashes)
 
-    # ── disk staging, at add ─────────────────────────────────────────────────────────────
-    def stage(self, request_id: str, host_run: Sequence[BlockHash], rest: Sequence[BlockHash],
-              keys: ExtraKeys) -> bool:
-        """The scheduler admits a request whose prompt continues after its pool and host runs
-        (`host_run`, in host now): queue a disk read of the run of `rest` that is on disk; True
-        if the request must wait for it (LOADING). Its host run and what the read brings are
-        pinned in the host store until it is admitted (`on_started`) or ends (`forget`), so other
-        traffic cannot evict them meanwhile; what the host store's bound cannot hold is left to
-        recompute."""
-        if self.worker is None or self.disk is None or not rest:
-            return False
+    # ── disk loads, at admission ─────────────────────────────────────────────────────────
+    def disk_run(self, hashes: Sequence[BlockHash], keys: ExtraKeys) -> int:
+        """How many of hashes, from the first, are on disk (0 without a disk tier)."""
+        if self.disk is None:
+            return 0
         ident = self._identity(keys)
-        run = []
-        for h in rest:
+        for i, h in enumerate(hashes):
             if not self.disk.contains(ident, h):
-                break
-            run.append(h)
-        room = (self.host.capacity_bytes - self.host.pinned_bytes) // self.mover.block_nbytes
-        run = run[: max(0, room - len(host_run))]
-        if not run or not self.worker.submit(ReadJob(request_id, ident, tuple(run))):
-            self.counters.num_jobs_refused += bool(run)
+                return i
+        return len(hashes)
+
+    def load(self, key: str, hashes: Sequence[BlockHash], keys: ExtraKeys) -> bool:
+        """Queue a read of these blocks for the LOADING request `key` names (the scheduler
+        has allocated their blocks); False (counted) if the worker's queue is full."""
+        assert self.worker is not None
+        if not self.worker.submit(ReadJob(key, self._identity(keys), tuple(hashes))):
+            self.counters.num_jobs_refused += 1
             return False
-        pinned = []
-        for h in host_run:
-            payload = self.host.get(h)
-            if payload is None or not self.host.pin(h, payload):
-                break
-            pinned.append(h)
-        self.pins[request_id] = pinned
-        self.loading[request_id] = tuple(run)
+        self.loading[key] = tuple(hashes)
+        self._loaded_at[key] = self.clock()
         return True
 
-    def on_started(self, request_id: str, hashes: Sequence[BlockHash]) -> None:
-        """A request was admitted with these cached blocks: its pins are released, and the
-        prefetched blocks among them are used."""
-        pins = self.pins.pop(request_id, None)
-        if pins:
-            self.host.unpin(pins)
+    def on_started(self, hashes: Sequence[BlockHash]) -> None:
+        """A request was admitted with these cached blocks: prefetched ones among them are used."""
         if not self.prefetched:
             return
         pop = self.prefetched.pop
         self.counters.num_prefetch_used += sum(pop(h, 0) is None for h in hashes)
 
-    def forget(self, request_id: str) -> None:
-        """A request ended (aborted while it waited, or done): release its pins; a read still
-        in flight for it lands unpinned."""
-        self.loading.pop(request_id, None)
-        pins = self.pins.pop(request_id, None)
-        if pins:
-            self.host.unpin(pins)
-
-    def poll(self) -> list[tuple[str, tuple[BlockHash, ...]]]:
-        """Apply finished I/O; the requests whose staged reads ended (to be queued), each with
-        the hashes it got from disk (now in the host store)."""
+    def poll(self) -> list[ReadDone]:
+        """Apply finished I/O; the disk reads of LOADING requests that ended (their keys, the
+        prefix of their hashes read and verified, its payloads), to be copied in by the caller."""
         if self.worker is None:
             return []
-        released = []
+        out = []
         c = self.counters
         for done in self.worker.poll():
             if isinstance(done, WriteDone):
@@ -195,32 +175,44 @@ class KvTiers:
                 c.write_disk_s += done.seconds
                 continue
             assert isinstance(done, ReadDone)
+            wanted = self.loading.pop(done.key, done.hashes)
+            c.bytes_read_disk += sum(map(len, done.payloads))
+            c.read_disk_s += done.seconds
             if done.key.startswith(PREFETCH):
                 # tail first: if the host store overflows, it drops the run's tail, not its head
                 for h, p in zip(reversed(done.hashes), reversed(done.payloads), strict=True):
                     self.host.put(h, p)
-                self.loading.pop(done.key, None)
                 self._to_device(done.hashes)
                 continue
-            wanted = self.loading.pop(done.key, None)
-            if wanted is None:  # its request ended while the read was in flight: keep, unpinned
-                for h, p in zip(reversed(done.hashes), reversed(done.payloads), strict=True):
-                    self.host.put(h, p)
-                continue
-            pins = self.pins.setdefault(done.key, [])
-            kept = 0
-            for h, p in zip(done.hashes, done.payloads, strict=True):
-                if not self.host.pin(h, p):
-                    break
-                pins.append(h)
-                kept += 1
-            done = ReadDone(done.key, done.hashes[:kept], done.payloads[:kept], done.seconds)
+            c.num_restore_waits += 1
+            c.restore_wait_s += self.clock() - self._loaded_at.pop(done.key, self.clock())
             c.num_staged_blocks += len(done.hashes)
             c.num_disk_read_misses += len(wanted) - len(done.hashes)
-            c.bytes_read_disk += sum(map(len, done.payloads))
-            c.read_disk_s += done.seconds
-            released.append((done.key, done.hashes))
-        return released
+            out.append(done)
+        return out
+
+    def loaded(self, block_ids: Sequence[BlockId], payloads: Sequence[bytes]) -> None:
+        """Copy a finished load's payloads into the blocks the scheduler allocated for them."""
+        t0 = self.clock()
+        self.mover.write_blocks(block_ids, payloads)
+        self.counters.scatter_s += self.clock() - t0
+        self.counters.bytes_scattered += sum(map(len, payloads))
+
+    def apply_loads(self, scheduler: Scheduler) -> None:
+        """A step's first act: apply finished I/O, and copy each finished load into its
+        request's blocks, which then runs (a stale one's blocks are kept in host)."""
+        for done in self.poll():
+            request = scheduler.loading_request(done.key)
+            if request is None:
+                self.stale(done)
+                continue
+            block_ids, _ = scheduler.loaded(request, len(done.hashes))
+            self.loaded(block_ids, done.payloads)
+
+    def stale(self, done: ReadDone) -> None:
+        """A load whose request was preempted or ended meanwhile: its blocks are kept in host."""
+        for h, p in zip(reversed(done.hashes), reversed(done.payloads), strict=True):
+            self.host.put(h, p)
 
     # ── restore, before the forward ──────────────────────────────────────────────────────
     def restore(self, restores: Sequence[Restore]) -> None:
@@ -279,7 +271,7 @@ class KvTiers:
         self._steps += 1
         if self._steps % 64 == 0:
             self.sweep_prefetched()
-        if seconds <= 0 or (num_tokens < 16 and self.prefill_tokens_per_s is not None):
+        if seconds <= 0 or num_tokens == 0 or (num_tokens < 16 and self.prefill_tokens_per_s is not None):
             return
         rate = num_tokens / seconds
         old = self.prefill_tokens_per_s

@@ -104,32 +104,20 @@ class TierIndex:
 
 
 class HostStore:
-    """A TierIndex that keeps each block's payload (immutable bytes) in host memory, plus pinned
-    blocks: read from disk for a request that has not been admitted yet, they cannot be evicted
-    until it is (`unpin`), and they count against the same bound (the index's capacity shrinks
-    by their bytes while they are pinned)."""
+    """A TierIndex that keeps each block's payload (immutable bytes) in host memory."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self.index = TierIndex("host", capacity_bytes)
         self.capacity_bytes = capacity_bytes
         self._payloads: dict[BlockHash, bytes] = {}
-        self._pinned: dict[BlockHash, tuple[bytes, int]] = {}  # hash -> (payload, pin count)
-        self.pinned_bytes = 0
 
     def __contains__(self, h: object) -> bool:
-        return h in self._payloads or h in self._pinned
+        return h in self._payloads
 
     def match(self, hashes: Sequence[BlockHash]) -> int:
-        if not self._pinned:
-            return self.index.match(hashes)
-        for i, h in enumerate(hashes):
-            if h not in self:
-                return i
-        return len(hashes)
+        return self.index.match(hashes)
 
     def put(self, h: BlockHash, payload: bytes) -> bool:
-        if h in self._pinned:
-            return True
         evicted = self.index.add(h, len(payload))
         if evicted is None:
             return False
@@ -139,54 +127,10 @@ class HostStore:
         return True
 
     def get(self, h: BlockHash) -> bytes | None:
-        pinned = self._pinned.get(h)
-        if pinned is not None:
-            return pinned[0]
         payload = self._payloads.get(h)
         if payload is not None:
             self.index.touch(h)
         return payload
-
-    def pin(self, h: BlockHash, payload: bytes) -> bool:
-        """Hold h until unpin; False (nothing held) if the bound has no room left for it."""
-        held = self._pinned.get(h)
-        if held is not None:
-            self._pinned[h] = (held[0], held[1] + 1)
-            return True
-        if self.pinned_bytes + len(payload) > self.capacity_bytes:
-            return False
-        if self.index.remove(h):
-            payload = self._payloads.pop(h)
-            self.index.stats.num_deleted -= 1  # moved, not deleted
-        self._pinned[h] = (payload, 1)
-        self.pinned_bytes += len(payload)
-        self._shrink()
-        return True
-
-    def unpin(self, hashes: Sequence[BlockHash]) -> None:
-        """Release pins; a block no longer pinned joins the LRU as most recently used."""
-        for h in hashes:
-            held = self._pinned.get(h)
-            if held is None:
-                continue
-            if held[1] > 1:
-                self._pinned[h] = (held[0], held[1] - 1)
-                continue
-            del self._pinned[h]
-            self.pinned_bytes -= len(held[0])
-            self.index.capacity_bytes = self.capacity_bytes - self.pinned_bytes
-            self.put(h, held[0])
-
-    def _shrink(self) -> None:
-        """The LRU part's bound is what the pins leave; evict down to it."""
-        index = self.index
-        index.capacity_bytes = self.capacity_bytes - self.pinned_bytes
-        while index.used_bytes > index.capacity_bytes:
-            old, size = index._sizes.popitem(last=False)
-            index.stats.used_bytes -= size
-            index.stats.num_evicted += 1
-            index.stats.num_blocks = len(index._sizes)
-            del self._payloads[old]
 
     def delete(self, h: BlockHash) -> None:
         if self.index.remove(h):
@@ -194,11 +138,8 @@ class HostStore:
 
     @property
     def used_bytes(self) -> int:
-        return self.index.used_bytes + self.pinned_bytes
+        return self.index.used_bytes
 
     def check(self) -> None:
         self.index.check()
         assert self._payloads.keys() == self.index._sizes.keys()
-        assert not self._payloads.keys() & self._pinned.keys()
-        assert self.pinned_bytes == sum(len(p) for p, _ in self._pinned.values())
-        assert self.used_bytes <= self.capacity_bytes

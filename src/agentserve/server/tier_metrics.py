@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from agentserve.engine.tiers import KvTiers
@@ -18,7 +18,7 @@ class TierCollector(Collector):
     def __init__(self, tiers: KvTiers) -> None:
         self.tiers = tiers
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | SummaryMetricFamily]:
         t, c = self.tiers, self.tiers.counters
         used = GaugeMetricFamily(P + "used_bytes", "Bytes held, by tier", labels=["tier"])
         cap = GaugeMetricFamily(P + "capacity_bytes", "Bound, by tier", labels=["tier"])
@@ -42,9 +42,16 @@ class TierCollector(Collector):
                       ("disk_write_failed", c.num_disk_write_failures),
                       ("disk_read_missed", c.num_disk_read_misses)):
             ops.add_metric([op], n)
+        wait = SummaryMetricFamily(P + "restore_wait_seconds", "Requests that waited for a disk read: "
+                                   "admission to read done", count_value=c.num_restore_waits,
+                                   sum_value=c.restore_wait_s)
+        prefetch = CounterMetricFamily(P + "prefetch_blocks", "Prefetched blocks, by outcome", labels=["outcome"])
+        for outcome, n in (("prefetched", c.num_prefetched_blocks), ("used", c.num_prefetch_used),
+                           ("wasted", c.num_prefetch_wasted), ("displaced", c.num_prefetch_displaced)):
+            prefetch.add_metric([outcome], n)
         refused = CounterMetricFamily(P + "jobs_refused", "I/O jobs refused by a full worker queue")
         refused.add_metric([], c.num_jobs_refused)
-        out = [used, cap, blocks, moved, seconds, ops, refused]
+        out = [used, cap, blocks, moved, seconds, ops, refused, wait, prefetch]
         if t.disk is not None:
             d = t.disk.stats()
             used.add_metric(["disk"], d.used_bytes)

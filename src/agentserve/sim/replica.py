@@ -56,7 +56,7 @@ class Replica:
         assert self.idle
         sch = self.scheduler
         if self.tiers is not None:
-            self.poll_tiers()
+            self.tiers.apply_loads(sch)
         if not sch.has_unfinished():
             return None
         k = sch.decode_horizon() if self.decode_runs else 0
@@ -67,6 +67,7 @@ class Replica:
             return self._run_end(k)
         batch = sch.schedule(now)
         if not batch.chunks and self.tiers is not None and sch.num_loading():
+            self._step_time(batch)  # host runs of requests that started loading
             return None  # only requests whose disk reads are in flight: woken when one ends
         assert batch.chunks, "unfinished requests but nothing to schedule"
         self._batch = batch
@@ -83,24 +84,14 @@ class Replica:
             tiers.restore(batch.restores)
             moved = sum(len(r.block_ids) for r in batch.restores) * tiers.mover.block_nbytes
         for request in self.scheduler.take_started():
-            tiers.on_started(request.request_id, request.block_hashes[: request.num_cached_blocks])
+            tiers.on_started(request.block_hashes[: request.num_cached_blocks])
         t = step_time(self.cost, replace(batch_shape(batch), kv_bytes_moved=moved))
         tiers.timed_step(batch.num_tokens, t)
         return t
 
-    def poll_tiers(self) -> None:
-        """Apply finished disk jobs: requests whose reads ended are queued (Engine.step's first act)."""
-        assert self.tiers is not None
-        for rid, staged in self.tiers.poll():
-            request = self.scheduler.requests.get(rid)  # type: ignore[call-overload]
-            if request is not None:
-                request.staged_hashes = frozenset(staged)
-            self.scheduler.release(rid)  # type: ignore[arg-type]
-
     def _offload(self) -> None:
         if self.tiers is not None:
             for request in self.scheduler.take_finished():
-                self.tiers.forget(request.request_id)
                 if request.final_block_hashes:
                     self.tiers.offload(request.final_block_hashes, request.extra_keys)
 
