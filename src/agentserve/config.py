@@ -79,8 +79,8 @@ class ServerConfig:
 class TierConfig:
     """Lower KV tiers (engine/tiers.py, docs/tiers.md). Off when both are zero / absent.
 
-    With a disk tier and no host tier, a host store of `staging_blocks` blocks still carries
-    blocks read from disk into the pool."""
+    With a disk tier and no host_bytes, the host store holds `default_host_blocks` blocks (loads
+    whose requests went away land there)."""
 
     host_bytes: int = 0
     disk_dir: Path | None = None
@@ -90,7 +90,7 @@ class TierConfig:
     encrypt: bool = False  # AES-GCM on disk (always HMAC-SHA256)
     disk_page_cache: bool = True  # False: files are dropped from the OS page cache (equal-memory runs)
     max_queued_jobs: int = 256  # the I/O worker's queue
-    staging_blocks: int = 256
+    default_host_blocks: int = 256
 
     @property
     def enabled(self) -> bool:
@@ -106,5 +106,5 @@ class TierConfig:
             raise ValueError("--kv-disk-gib needs --kv-disk-dir")
         if self.key is not None and len(self.key) != 32:
             raise ValueError(f"the KV store key must be 32 bytes, got {len(self.key)}")
-        if self.max_queued_jobs < 1 or self.staging_blocks < 1:
-            raise ValueError("max_queued_jobs and staging_blocks must be >= 1")
+        if self.max_queued_jobs < 1 or self.default_host_blocks < 1:
+            raise ValueError("max_queued_jobs and default_host_blocks must be >= 1")

@@ -54,7 +54,7 @@ def test_tiers_serve_what_the_pool_dropped_and_never_cost_recompute(cc_plan, sta
             assert not rep.tiers.loading and rep.scheduler.num_loading() == 0
             if disk:
                 rep.tiers.disk.index.check()
-                assert rep.tiers.counters.num_staged_blocks > 0
+                assert rep.tiers.counters.num_loaded_blocks > 0
 
 
 def test_same_plan_same_records_with_tiers(cc_plan, starts):

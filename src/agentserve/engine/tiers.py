@@ -1,4 +1,4 @@
-"""Lower KV tiers seen from the engine: offload at pause, restore at admission, disk reads staged.
+"""Lower KV tiers seen from the engine: offload at pause, restore at admission, disk loads.
 
 Data flow, all on the step thread except the disk I/O:
 
@@ -10,12 +10,13 @@ Data flow, all on the step thread except the disk I/O:
   then continues in the host store (`match`); it allocates blocks for the host run and lists them
   in `Batch.restores`; the engine copies them in (`restore`) before the forward. On CPU host and
   device are the same DRAM: a restore is a memcpy, not I/O.
-- **Stage from disk (at admission).** When the scheduler would admit a request whose prefix
-  continues on disk after its device and host runs, it asks `stage` first: the worker reads that
-  run while the request waits (`LOADING`, its arrival priority kept) and the others keep running.
-  Its host run and each verified block read are pinned in the host store until it is admitted,
-  restoring them from host. A failed or partial read leaves the rest to be recomputed. Reads
-  start only for requests that would run now, so pins are held for one read, not for a queue.
+- **Load from disk (at admission).** When the scheduler would admit a request whose prefix
+  continues on disk after its device and host runs, it admits it `LOADING`: blocks are allocated
+  for the disk run, the worker reads it, and the request holds them without running while the
+  others keep running. The next step after the read copies the verified blocks in (`apply_loads`),
+  publishes them, and the request runs; a failed or partial read leaves the rest to be recomputed,
+  and a read whose request was preempted or ended meanwhile is kept in host instead. Reads start
+  only for requests that would run now, so a request waits for one read, not for a queue.
 
 The host store and every index the scheduler reads are touched only here, on the step thread.
 """
@@ -71,10 +72,10 @@ class DiskIndex(Protocol):
 class TierCounters:
     num_offloaded_blocks: int = 0  # gathered from the pool into the host store
     num_restored_blocks: int = 0  # copied from host into the pool
-    num_staged_blocks: int = 0  # read from disk into a LOADING request's blocks
+    num_loaded_blocks: int = 0  # read from disk into a LOADING request's blocks
     num_disk_written_blocks: int = 0
     num_disk_write_failures: int = 0
-    num_disk_read_misses: int = 0  # blocks a staged read expected but did not get (recomputed)
+    num_disk_read_misses: int = 0  # blocks a load expected but did not get (recomputed)
     num_jobs_refused: int = 0  # the worker's queue was full: that copy was skipped
     num_prefetched_blocks: int = 0  # brought into the pool ahead of their request
     num_prefetch_used: int = 0  # ... and then hit by a request
@@ -186,7 +187,7 @@ class KvTiers:
                 continue
             c.num_restore_waits += 1
             c.restore_wait_s += self.clock() - self._loaded_at.pop(done.key, self.clock())
-            c.num_staged_blocks += len(done.hashes)
+            c.num_loaded_blocks += len(done.hashes)
             c.num_disk_read_misses += len(wanted) - len(done.hashes)
             out.append(done)
         return out
@@ -374,7 +375,7 @@ def build_kv_tiers(config: TierConfig, mover: KvMover, pool: BlockPool, identity
     """The host store, and the disk store with its key and I/O worker, from the config."""
     if not config.enabled:
         return None
-    host_bytes = config.host_bytes or config.staging_blocks * mover.block_nbytes
+    host_bytes = config.host_bytes or config.default_host_blocks * mover.block_nbytes
     host = HostStore(host_bytes)
     if config.disk_dir is None:
         tiers = KvTiers(host, mover, identity, pool)

@@ -38,7 +38,7 @@ class TierCollector(Collector):
             seconds.add_metric([path], s)
         ops = CounterMetricFamily(P + "blocks_total", "Blocks, by operation", labels=["op"])
         for op, n in (("offloaded", c.num_offloaded_blocks), ("restored", c.num_restored_blocks),
-                      ("staged_from_disk", c.num_staged_blocks), ("disk_written", c.num_disk_written_blocks),
+                      ("loaded_from_disk", c.num_loaded_blocks), ("disk_written", c.num_disk_written_blocks),
                       ("disk_write_failed", c.num_disk_write_failures),
                       ("disk_read_missed", c.num_disk_read_misses)):
             ops.add_metric([op], n)

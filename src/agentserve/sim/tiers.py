@@ -25,7 +25,7 @@ from agentserve.kv.tier_worker import DeleteJob, Done, Job, ReadDone, ReadJob, W
 from agentserve.sim.cost import CostModel
 from agentserve.trajectory.tier_advice import TierRates
 
-STAGING_BLOCKS = TierConfig().staging_blocks  # the server's host store with a disk tier only
+DEFAULT_HOST_BLOCKS = TierConfig().default_host_blocks  # the server's host store with a disk tier only
 
 
 class Placeholder(bytes):
@@ -175,7 +175,7 @@ def sim_tiers(host_tokens: int, disk_tokens: int, block_size: int, cost: CostMod
     """A replica's KvTiers, as build_kv_tiers makes them, over simulated stores; its start-up
     rates are the cost model's (the simulator's "machine")."""
     block = cost.kv_bytes_per_token * block_size
-    host = HostStore(host_tokens * cost.kv_bytes_per_token or STAGING_BLOCKS * block)
+    host = HostStore(host_tokens * cost.kv_bytes_per_token or DEFAULT_HOST_BLOCKS * block)
     identity = CacheIdentity("sim", "bfloat16", block_size, "sim", cost.name)
     mover = SimMover(block)
     if not disk_tokens:
