@@ -11,7 +11,8 @@ from typing import Any
 
 from agentserve.config import CacheConfig, SchedulerConfig, TierConfig
 from agentserve.engine.engine import Engine
-from agentserve.engine.tiers import KvTiers, build_kv_tiers
+from agentserve.engine.tier_build import build_kv_tiers
+from agentserve.engine.tiers import KvTiers
 from agentserve.engine.request import FinishReason, RequestId, RequestOutput, SamplingParams
 from agentserve.engine.scheduler import Scheduler
 from agentserve.kv.block_pool import BlockPool

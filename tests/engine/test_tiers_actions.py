@@ -123,3 +123,20 @@ def test_a_pause_under_pressure_is_advised_with_measured_rates():
     assert "expected cost: hold" in advice.reason and advice.action in ("retain", "offload")
     rates = engine.tiers.rates()
     assert rates.prefill_tokens_per_s > 0 and rates.reload_bytes_per_s > 0
+
+
+def test_a_prefetch_in_flight_is_cancelled_when_its_trajectory_ends(tmp_path):
+    tiers = TierConfig(disk_dir=tmp_path / "kv", disk_bytes=1 << 24, key=KEY)
+    engine, _, residency = engine_with_residency(tiers)
+    second, _ = paused_turn(engine, residency, TrajectoryKey("", "t4"), seed=11)
+    assert engine.tiers.worker.drain()
+    engine.tiers.close()
+    engine, _, _ = engine_with_residency(tiers)  # restarted
+    hashes = engine.prompt_hashes_of_tokens(second)
+    assert engine.tiers.prefetch(hashes, "") >= 60 // BS  # a disk read, in flight
+    engine.tiers.release(hashes, "")  # the trajectory ended: its blocks go, the read is void
+    assert engine.tiers.worker.drain()
+    engine.step()
+    assert engine.scheduler.pool.match_prefix(hashes) == [] and engine.tiers.counters.num_prefetched_blocks == 0
+    assert not any(engine.tiers.disk.contains(engine.tiers.identity, h) for h in hashes)
+    engine.tiers.close()

@@ -107,7 +107,7 @@ def tiny_engine(arch: str = "qwen2", *, block_size: int = 4, num_blocks: int = 6
     pool = BlockPool(num_blocks, block_size, eviction)
     kv_tiers = None
     if tiers is not None:
-        from agentserve.engine.tiers import build_kv_tiers
+        from agentserve.engine.tier_build import build_kv_tiers
         from agentserve.kv.identity import CacheIdentity
 
         identity = CacheIdentity(cfg.name, str(dtype).removeprefix("torch."), block_size,

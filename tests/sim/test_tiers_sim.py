@@ -100,3 +100,19 @@ def test_kvtiers_is_the_servers_class():
     from agentserve.sim import tiers as sim_tiers
 
     assert sim_tiers.KvTiers is KvTiers and sim_tiers.HostStore is HostStore
+
+
+def test_prefetches_at_every_tick_never_break_a_decode_run(cc_plan, starts):
+    """A prefetch changes the pool; the expire tick that makes one first turns a decode run in
+    flight into an ordinary step (a run must see the pool it was planned on)."""
+    import dataclasses
+
+    cfg = SimConfig(CAP, "agent", host_tokens=20_000, disk_tokens=300_000)
+    fleet = Fleet(cc_plan, starts, cfg, COST, lambda: NextUse(cc_plan, starts))
+    for r in fleet.residency:
+        r.config = dataclasses.replace(r.config, prefetch_above=0.0)  # prefetch every paused one
+    fleet.run()
+    tiers = fleet.replicas[0].tiers
+    assert tiers.counters.num_prefetched_blocks > 0 and fleet.replicas[0].stats.num_decode_runs > 0
+    assert len(fleet.records) == cc_plan.num_requests
+    fleet.replicas[0].scheduler.pool.check()

@@ -23,17 +23,14 @@ The host store and every index the scheduler reads are touched only here, on the
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
-from agentserve.config import TierConfig
 
 from agentserve.engine.scheduler import Restore, Scheduler
 from agentserve.kv.block_pool import BlockId, BlockPool
@@ -111,6 +108,7 @@ class KvTiers:
         self._pending_disk: set[BlockHash] = set()  # queued for the disk, not yet written
         self.loading: dict[str, tuple[BlockHash, ...]] = {}  # read key -> hashes being read
         self._loaded_at: dict[str, float] = {}  # load key -> when it was queued
+        self._cancelled: set[str] = set()  # prefetch reads whose trajectory ended meanwhile
         # prefetched into the pool, not yet hit: hash -> None (oldest first, bounded)
         self.prefetched: OrderedDict[BlockHash, None] = OrderedDict()
         self.max_prefetch_blocks = max(1, pool.num_blocks // 4)  # per call
@@ -180,6 +178,9 @@ class KvTiers:
             c.bytes_read_disk += sum(map(len, done.payloads))
             c.read_disk_s += done.seconds
             if done.key.startswith(PREFETCH):
+                if done.key in self._cancelled:  # its trajectory ended while the read ran
+                    self._cancelled.discard(done.key)
+                    continue
                 # tail first: if the host store overflows, it drops the run's tail, not its head
                 for h, p in zip(reversed(done.hashes), reversed(done.payloads), strict=True):
                     self.host.put(h, p)
@@ -337,7 +338,12 @@ class KvTiers:
         self.counters.num_prefetch_wasted += len(gone)
 
     def release(self, hashes: Sequence[BlockHash], tenant: str) -> int:
-        """Delete these blocks from host and disk (a released or ended trajectory's own)."""
+        """Delete these blocks from host and disk (a released or ended trajectory's own), and
+        cancel prefetch reads of them still in flight."""
+        gone = set(hashes)
+        for key, wanted in self.loading.items():
+            if key.startswith(PREFETCH) and gone.intersection(wanted):
+                self._cancelled.add(key)
         n = 0
         for h in hashes:
             if h in self.host:
@@ -368,71 +374,4 @@ class KvTiers:
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
-
-
-def build_kv_tiers(config: TierConfig, mover: KvMover, pool: BlockPool, identity: CacheIdentity
-                   ) -> KvTiers | None:
-    """The host store, and the disk store with its key and I/O worker, from the config."""
-    if not config.enabled:
-        return None
-    host_bytes = config.host_bytes or config.default_host_blocks * mover.block_nbytes
-    host = HostStore(host_bytes)
-    if config.disk_dir is None:
-        tiers = KvTiers(host, mover, identity, pool)
-        tiers.probe = probe_rates(mover, pool, None)
-        return tiers
-    from agentserve.kv.disk_store import DiskStore
-    from agentserve.kv.sealing import derive_keys, load_or_create_key
-
-    directory = Path(config.disk_dir)
-    master = config.key
-    if master is None:
-        key_path = config.key_path or Path.home() / ".config" / "agentserve" / "kv.key"
-        master = load_or_create_key(key_path, directory)
-    disk = DiskStore(directory, config.disk_bytes, identity, derive_keys(master, config.encrypt),
-                     page_cache=config.disk_page_cache)
-    worker = TierWorker(disk, max_queued=config.max_queued_jobs)
-    tiers = KvTiers(host, mover, identity, pool, worker=worker, disk=disk)
-    tiers.probe = probe_rates(mover, pool, directory)
-    return tiers
-
-
-def probe_rates(mover: KvMover, pool: BlockPool, disk_dir: Path | None) -> TierRates:
-    """Start-up figures for the advice until live traffic measures them: a gather and scatter
-    of a few free pool blocks, and a file of the same bytes written, synced, dropped from the
-    page cache and read back in the disk tier's directory."""
-    n = min(8, pool.num_blocks)
-    ids = [BlockId(i) for i in range(n)]  # all free and empty at start-up
-    t0 = time.perf_counter()
-    payloads = mover.read_blocks(ids)
-    mover.write_blocks(ids, payloads)
-    nbytes = sum(map(len, payloads))
-    bw = 2 * nbytes / max(time.perf_counter() - t0, 1e-6)
-    if disk_dir is not None:
-        bw = _probe_disk(disk_dir, b"".join(payloads)) or bw
-    return TierRates(mover.block_nbytes, pool.block_size, prefill_tokens_per_s=0.0, reload_bytes_per_s=bw)
-
-
-def _probe_disk(directory: Path, data: bytes) -> float | None:
-    import os
-
-    path = directory / f".probe-{os.getpid()}"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        t0 = time.perf_counter()
-        with open(path, "rb") as f:
-            f.read()
-        return len(data) / max(time.perf_counter() - t0, 1e-6)
-    except OSError as exc:
-        log.warning("disk tier probe in %s failed (%s): using the host figure", directory, exc)
-        return None
-    finally:
-        with contextlib.suppress(OSError):  # a directory that cannot be written: the store says so
-            path.unlink()
-
 

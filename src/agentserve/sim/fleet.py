@@ -38,7 +38,7 @@ from agentserve.trajectory.registry import State, TrajectoryKey
 from agentserve.trajectory.residency import Residency
 from agentserve.workload.model import StopReason, Timing
 
-_STEP_END, _ARRIVAL, _TIER_DONE = 0, 1, 2
+_STEP_END, _ARRIVAL, _TIER_DONE, _EXPIRE = 0, 1, 2, 3
 _KEYS = ExtraKeys("sim")  # one model, one tenant: block ids alone decide sharing
 _EXPIRE_EVERY_S = 10.0  # how often residency policies drop trajectories idle too long
 
@@ -178,13 +178,23 @@ class Fleet:
             self._origin[ci] = start
             self._push(start, _ARRIVAL, ci, 0)
         residencies = [x for x in self.residency if x is not None]
+        # With tiers the tick may prefetch into a pool, so it is an event of its own, after the
+        # step ends at its time: a decode run in flight then ends later and can be cut short.
+        # Without, it runs before the first event at or past each tick (as it always has).
+        ticks = bool(residencies) and any(r.tiers is not None for r in self.replicas)
+        if ticks:
+            self._push(min(self.starts, default=0.0), _EXPIRE, 0, 0)
         next_expiry = 0.0
         while self._heap:
             t, kind, _, a, b = heapq.heappop(self._heap)
             self.now = t
-            if residencies and t >= next_expiry:
-                for x in residencies:
-                    x.expire()
+            if kind == _EXPIRE:
+                self._expire(t)
+                if self._heap:
+                    self._push(t + _EXPIRE_EVERY_S, _EXPIRE, 0, 0)
+                continue
+            if residencies and not ticks and t >= next_expiry:
+                self._expire(t)
                 next_expiry = t + _EXPIRE_EVERY_S
             if kind == _ARRIVAL:
                 self._submit(a, b, t)
@@ -205,6 +215,18 @@ class Fleet:
             self._start(rep, t)
         stuck = [r.index for r in self.replicas if r.scheduler.has_unfinished()]
         assert not stuck, f"replicas {stuck} still hold requests after the last event"
+
+    def _expire(self, now: float) -> None:
+        """The residency policies' periodic tick. With tiers it may prefetch into the pool,
+        which a decode run in flight must not see: such a run becomes an ordinary step first."""
+        for rep, residency in zip(self.replicas, self.residency, strict=True):
+            if residency is None:
+                continue
+            if rep.tiers is not None:
+                end = rep.sync(now)
+                if end is not None:
+                    self._push(end, _STEP_END, rep.index, rep.generation)
+            residency.expire()
 
     def _start(self, rep: Replica, now: float) -> None:
         end = rep.start(now)

@@ -36,10 +36,10 @@ class CostRates:
 
 @dataclass(frozen=True, slots=True)
 class CacheAdvice:
-    """What the policy decided for a trajectory at a tool boundary (recorded; it acts only
-    through the eviction order)."""
+    """What the policy decided for a trajectory at a tool boundary (recorded; it acts through
+    the eviction order, and with KV tiers through offload, prefetch and release)."""
 
-    action: str  # retain | release (offload / prefetch once tiers exist)
+    action: str  # retain | offload (with KV tiers: its copy below is kept) | release
     expected_value: float  # blocks expected to be reused
     p_return: float  # P(return within the horizon)
     ttl_ms: int  # protection ends after this long paused
