@@ -131,10 +131,12 @@ class LLM:
                                  kernel_options=self.runner.kernel_options())
         return build_kv_tiers(config, self.runner, pool, identity)
 
-    def close(self) -> None:
-        """Stop the lower tiers' I/O worker (queued disk writes are finished first)."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the lower tiers' I/O worker; queued disk writes are finished first (for at most
+        timeout_s: a file not written is only a future miss)."""
         if self.tiers is not None and self.tiers.worker is not None:
-            self.tiers.worker.drain()
+            if not self.tiers.worker.drain(timeout_s):
+                log.warning("KV disk writes still queued after %.0f s at shutdown: dropped", timeout_s)
             self.tiers.close()
 
     def encode(self, prompt: Prompt) -> list[int]:

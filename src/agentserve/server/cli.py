@@ -106,6 +106,7 @@ def serve(state: Any, host: str, port: int) -> int:
     finally:
         server.should_exit = True
         http.join(timeout=15)
+        state.llm.close()  # queued disk writes finish: the next start finds this run's KV
     return 0
 
 
