@@ -89,7 +89,7 @@ class TierConfig:
     key_path: Path | None = None  # where the generated key lives (outside disk_dir)
     encrypt: bool = False  # AES-GCM on disk (always HMAC-SHA256)
     disk_page_cache: bool = True  # False: files are dropped from the OS page cache (equal-memory runs)
-    max_queued_jobs: int = 256  # the I/O worker's queue
+    max_queued_jobs: int = 1024  # the I/O worker's queue (write-through goes in jobs of 8 blocks)
     default_host_blocks: int = 256
 
     @property

@@ -315,3 +315,34 @@ def test_without_the_page_cache_files_round_trip(tmp_path):
     ident = CacheIdentity("m@1", "bfloat16", 16, "block-major", "sdpa")
     store = DiskStore(tmp_path / "kv", 1 << 20, ident, derive_keys(bytes(32), False), page_cache=False)
     assert store.put(ident, 5, b"x" * 1000) and store.get(ident, 5) == b"x" * 1000
+
+
+def test_the_io_worker_runs_reads_ahead_of_queued_writes(tmp_path):
+    import threading
+
+    from agentserve.kv.tier_worker import ReadJob, TierWorker, WriteJob
+
+    order, gate = [], threading.Event()
+
+    class Store:
+        def put(self, identity, h, payload):
+            gate.wait(5)  # the first write holds the worker while the others queue
+            order.append(("w", h))
+            return True
+
+        def get(self, identity, h):
+            order.append(("r", h))
+            return b"x"
+
+        def delete(self, identity, h): ...
+
+    worker = TierWorker(Store())
+    worker.submit(WriteJob(None, (1,), (b"a",)))
+    while worker._jobs.qsize():  # the worker took the first write
+        pass
+    worker.submit(WriteJob(None, (2,), (b"b",)))
+    worker.submit(ReadJob("k", None, (3,)))
+    gate.set()
+    assert worker.drain(5)
+    worker.close()
+    assert order == [("w", 1), ("r", 3), ("w", 2)]

@@ -116,3 +116,22 @@ def test_prefetches_at_every_tick_never_break_a_decode_run(cc_plan, starts):
     assert tiers.counters.num_prefetched_blocks > 0 and fleet.replicas[0].stats.num_decode_runs > 0
     assert len(fleet.records) == cc_plan.num_requests
     fleet.replicas[0].scheduler.pool.check()
+
+
+def test_a_read_passes_queued_writes_on_the_link():
+    now = [0.0]
+    disk = SimDisk(capacity_bytes=10_000, block_nbytes=100)
+    ends = []
+    worker = SimWorker(disk, lambda: now[0], read_bw=1000.0, write_bw=100.0, latency_s=0.0,
+                       on_done_at=ends.append)
+    ident = CacheIdentity("sim", "bf16", 16, "sim", "sim")
+    block = Placeholder(100)
+    disk.put(ident, 9, block)  # already on disk
+    worker.submit(WriteJob(ident, (1,), (block,)))  # in service: 0 -> 1 s
+    worker.submit(WriteJob(ident, (2,), (block,)))  # queued: 1 -> 2 s
+    worker.submit(ReadJob("r", ident, (9,)))  # passes the queued write: 1 -> 1.1 s
+    assert ends[-2:] == [pytest.approx(1.1), pytest.approx(2.1)]  # the read, then the write moved
+    now[0] = 1.1
+    assert [type(d).__name__ for d in worker.poll()] == ["WriteDone", "ReadDone"]
+    now[0] = 2.1
+    assert [type(d).__name__ for d in worker.poll()] == ["WriteDone"]

@@ -41,6 +41,7 @@ from agentserve.kv.identity import CacheIdentity
 from agentserve.kv.tier_worker import DeleteJob, ReadDone, ReadJob, TierWorker, WriteDone, WriteJob
 from agentserve.trajectory.tier_advice import TierRates
 
+WRITE_BLOCKS = 8  # blocks per write-through job
 PREFETCH = "prefetch:"  # the key prefix of a prefetch's disk read (request ids never start so)
 
 log = logging.getLogger("agentserve.kv.tiers")
@@ -260,10 +261,11 @@ class KvTiers:
             if need_disk[i]:
                 to_disk_h.append(hashes[i])
                 to_disk_p.append(p)
-        if to_disk_h:
-            assert self.worker is not None
-            if self.worker.submit(WriteJob(ident, tuple(to_disk_h), tuple(to_disk_p))):
-                self._pending_disk.update(to_disk_h)
+        assert self.worker is not None or not to_disk_h
+        for i in range(0, len(to_disk_h), WRITE_BLOCKS):  # small jobs: a read waits for one at most
+            hs, ps = tuple(to_disk_h[i : i + WRITE_BLOCKS]), tuple(to_disk_p[i : i + WRITE_BLOCKS])
+            if self.worker.submit(WriteJob(ident, hs, ps)):  # type: ignore[union-attr]
+                self._pending_disk.update(hs)
             else:
                 c.num_jobs_refused += 1
 

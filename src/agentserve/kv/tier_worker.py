@@ -4,12 +4,15 @@ The step thread submits jobs (never blocking: a full queue refuses the job, and 
 it) and collects finished reads with `poll()` at the start of a step. The worker only moves bytes
 between memory and the DiskStore; every index the scheduler reads stays on the step thread.
 
-Bounds: at most `max_queued` jobs wait; reads and writes share the queue in submission order,
-so a read submitted after a write of the same block sees it.
+Bounds: at most `max_queued` jobs wait. Reads go ahead of queued writes and deletes (a request
+waits on its read; write-through waits for nobody), in submission order among themselves. That
+is safe because a read only asks for blocks the store already indexes: a block whose write is
+still queued is not on disk yet for anyone.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -84,7 +87,9 @@ class TierWorker:
         self.store = store
         self.clock = clock
         self.stats = WorkerStats()
-        self._jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queued)
+        # (0 for reads, 1 for the rest; submission order; the job)
+        self._jobs: queue.PriorityQueue[tuple[int, int, Job]] = queue.PriorityQueue(maxsize=max_queued)
+        self._seq = itertools.count()
         self._done: deque[Done] = deque()
         self._stopping = threading.Event()
         self.wake = threading.Event()  # set when a job finishes (the step thread may wait on it)
@@ -94,7 +99,7 @@ class TierWorker:
     def submit(self, job: Job) -> bool:
         """Queue a job; False (counted) if the queue is full. Never blocks."""
         try:
-            self._jobs.put_nowait(job)
+            self._jobs.put_nowait((0 if isinstance(job, ReadJob) else 1, next(self._seq), job))
             return True
         except queue.Full:
             self.stats.num_refused += 1
@@ -125,7 +130,7 @@ class TierWorker:
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
-                job = self._jobs.get(timeout=0.1)
+                _, _, job = self._jobs.get(timeout=0.1)
             except queue.Empty:
                 continue
             t0 = self.clock()

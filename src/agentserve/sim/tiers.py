@@ -11,7 +11,6 @@ device copies are charged to the step that does them (the cost model's link_bw).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 
 from agentserve.config import TierConfig
@@ -107,22 +106,36 @@ class SimWorker:
         self.on_done_at = on_done_at
         self.stats = WorkerStats()
         self.wake = _NoWait()
-        self._free_at = 0.0  # when the link finishes the last queued job
-        self._queue: deque[tuple[float, float, Job]] = deque()  # (start, end, job), in order
-        self.link_busy_s = 0.0
+        # [start, end, job, duration] in service order; the first has started once start <= now
+        self._queue: list[list] = []
 
     def submit(self, job: Job) -> bool:
+        """Queue a job on the link: reads go ahead of queued writes and deletes (TierWorker's
+        order); the jobs a read passes end later, and the fleet is told their new ends."""
         if len(self._queue) >= self.max_queued:
             self.stats.num_refused += 1
             return False
-        start = max(self.clock(), self._free_at)
-        end = start + self._duration(job)
-        self._free_at = end
-        self.link_busy_s += end - start
-        self._queue.append((start, end, job))
-        if self.on_done_at is not None:
-            self.on_done_at(end)
+        now = self.clock()
+        entry = [now, now, job, self._duration(job)]
+        at = len(self._queue)
+        if isinstance(job, ReadJob):
+            at = 0
+            while at < len(self._queue) and (self._queue[at][0] <= now or isinstance(self._queue[at][2], ReadJob)):
+                at += 1  # behind the job in service and the reads queued before it
+        self._queue.insert(at, entry)
+        self._retime(at, now)
         return True
+
+    def _retime(self, first: int, now: float) -> None:
+        """Start and end of every queued job from `first` on, back to back on the link."""
+        t = self._queue[first - 1][1] if first else now
+        for entry in list(self._queue)[first:]:
+            start, end = max(t, now), max(t, now) + entry[3]
+            moved = end != entry[1] or entry is self._queue[first]
+            entry[0], entry[1] = start, end
+            if moved and self.on_done_at is not None:
+                self.on_done_at(end)
+            t = end
 
     def _duration(self, job: Job) -> float:
         block = self.store._block.nbytes
@@ -136,7 +149,7 @@ class SimWorker:
     def poll(self) -> list[Done]:
         now, out = self.clock(), []
         while self._queue and self._queue[0][1] <= now:
-            start, end, job = self._queue.popleft()
+            start, end, job, _ = self._queue.pop(0)
             done = self._apply(job, end - start)
             if done is not None:
                 out.append(done)
@@ -183,7 +196,7 @@ def sim_tiers(host_tokens: int, disk_tokens: int, block_size: int, cost: CostMod
     else:
         disk = SimDisk(disk_tokens * cost.kv_bytes_per_token, block)
         worker = SimWorker(disk, clock, cost.disk_read_bw, cost.disk_write_bw, cost.disk_latency_s,
-                           on_done_at=on_done_at)
+                           max_queued=TierConfig().max_queued_jobs, on_done_at=on_done_at)
         tiers = KvTiers(host, mover, identity, pool, worker=worker, disk=disk, clock=clock)  # type: ignore[arg-type]
     reload_bw = cost.disk_read_bw if disk_tokens else cost.link_bw
     tiers.probe = TierRates(block, block_size, prefill_tokens_per_s=0.0, reload_bytes_per_s=reload_bw)
