@@ -50,17 +50,29 @@ def test_every_agent_tool_compiles_and_is_checked_once(grammars, smol_llm):
     compiler = smol_llm.runner.guided.compiler
     before = compiler.stats()
     start = time.perf_counter()
-    prepare(g, tools)
+    prepare(g, tools)  # a forced call: its grammar's compile stands for the 40 checks
     first_s = time.perf_counter() - start
     mid = compiler.stats()
-    assert (mid.num_checked - before.num_checked, mid.num_compiled - before.num_compiled) == (40, 1)
+    assert (mid.num_checked - before.num_checked, mid.num_compiled - before.num_compiled) == (0, 1)
     start = time.perf_counter()
     prepare(g, tools)  # an agent's next turn: the same tools
     again_s = time.perf_counter() - start
     after = compiler.stats()
     assert (after.num_checked, after.num_compiled) == (mid.num_checked, mid.num_compiled)
-    assert after.num_check_hits - mid.num_check_hits == 40 and after.num_compile_hits == mid.num_compile_hits + 1
+    assert after.num_compile_hits == mid.num_compile_hits + 1
     assert again_s < first_s / 5, (first_s, again_s)
+    prepare(g, tools, choice="auto")  # no grammar: each schema is checked, once
+    prepare(g, tools, choice="auto")
+    last = compiler.stats()
+    assert last.num_checked - after.num_checked == 40 and last.num_check_hits - after.num_check_hits == 40
+
+
+def test_a_forced_call_over_a_bad_schema_names_the_tool(grammars):
+    bad = tools_of([("good", {"type": "object", "properties": {"a": {"type": "string"}}}),
+                    ("broken", {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})])
+    with pytest.raises(APIError, match=r"tools\[1\]\.function\.parameters: function 'broken'") as err:
+        prepare(grammars(), bad)
+    assert err.value.param == "tools[1].function.parameters"
 
 
 @pytest.mark.parametrize("name, params", real_world_tools(), ids=[n for n, _ in real_world_tools()])

@@ -2,7 +2,9 @@
 
 `Grammars.prepare` runs on the event loop but does its work on a small thread pool: every
 tool's parameters schema is checked (a 400 naming the tool if it does not compile) and the
-request's Guide is compiled into a template the step thread then only copies. Both are cached
+request's Guide is compiled into a template the step thread then only copies. For a forced call
+the Guide's compile stands for the checks (it embeds every schema); they run only if it fails,
+to name the tool. Both are cached
 per distinct schema (model/grammar.py), so an agent resending its tools costs a dict lookup.
 
 Caps (GrammarConfig, from the CLI): tools per request, and compile time per schema counted from
@@ -99,19 +101,28 @@ class Grammars:
             for i, tool in enumerate(tools):
                 self._raise_for(i, tool, self.compiler.check_uncached(tool_guide(tool)))
             return
+        if guide is None:
+            await self._check_all(tools)
+            return
+        # A forced call's grammar embeds every tool's schema: when it compiles, each schema does,
+        # and the per-tool checks (as much native work again) are skipped; when it does not, they
+        # name the tool at fault.
+        names = ", ".join(repr(t.function.name) for t in tools[:5]) + (f" and {len(tools) - 5} more" if len(tools) > 5 else "")
+        compiled = await self._wait(self.compiler.compile(guide, self._pool.submit)[0],
+                                    f"tool_choice: the forced-call grammar over tools {names}", "tool_choice")
+        if compiled.error is None:
+            return
+        await self._check_all(tools)
+        raise APIError(400, f"tool_choice: the forced-call grammar over tools {names} does not compile: "
+                            f"{compiled.error}", param="tool_choice")
+
+    async def _check_all(self, tools: list[Tool]) -> None:
+        """Every tool's schema checked (cached per distinct schema); a 400 naming the first bad one."""
         jobs = [self._check(t) for t in tools]
         checks = await asyncio.gather(*(self._wait(job, f"{_where(i)}: function {t.function.name!r}: schema", _where(i))
                                         for i, (t, job) in enumerate(zip(tools, jobs, strict=True))))
         for i, (tool, check) in enumerate(zip(tools, checks, strict=True)):
             self._raise_for(i, tool, check)
-        if guide is None:
-            return
-        names = ", ".join(repr(t.function.name) for t in tools[:5]) + (f" and {len(tools) - 5} more" if len(tools) > 5 else "")
-        compiled = await self._wait(self.compiler.compile(guide, self._pool.submit)[0],
-                                    f"tool_choice: the forced-call grammar over tools {names}", "tool_choice")
-        if compiled.error is not None:
-            raise APIError(400, f"tool_choice: the forced-call grammar over tools {names} does not compile: "
-                                f"{compiled.error}", param="tool_choice")
 
     def _check(self, tool: Tool) -> Job[GrammarCheck]:
         job, new = self.compiler.check(tool_guide(tool), self._pool.submit)
