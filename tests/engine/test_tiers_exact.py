@@ -27,8 +27,8 @@ def turn_prompts(seed: int) -> tuple[list[int], list[int], list[list[int]]]:
     return first, new_piece, fillers
 
 
-def run(engine, prompt):
-    rid = engine.add(prompt, GREEDY)
+def run(engine, prompt, cache_salt=None):
+    rid = engine.add(prompt, GREEDY, cache_salt=cache_salt)
     tokens, last = [], None
     while engine.has_unfinished():
         for o in engine.step():

@@ -34,18 +34,6 @@ def tiers_on(directory, host_bytes: int = 0) -> TierConfig:
     return TierConfig(host_bytes=host_bytes, disk_dir=directory, disk_bytes=1 << 24, key=KEY)
 
 
-def run_salted(engine, prompt, cache_salt):
-    rid = engine.add(prompt, GREEDY, cache_salt=cache_salt)
-    tokens, last = [], None
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.request_id == rid:
-                tokens.extend(o.new_token_ids)
-                last = o
-        engine.scheduler.pool.check()
-    return tokens, last
-
-
 def settle(engine) -> None:
     """Let the I/O worker finish every queued job and apply what it did."""
     assert engine.tiers.worker.drain()
@@ -232,7 +220,7 @@ def test_another_tenants_request_is_not_served_the_unsalted_files(tmp_path):
     (unsalted_ns,) = {p.parent for p in kv_files(directory)}
     unsalted_files = sorted(unsalted_ns.glob("*.kv"))
 
-    tokens, last = run_salted(engine, second, "tenant-b")
+    tokens, last = run(engine, second, "tenant-b")
     settle(engine)
     assert tokens == expected
     assert last.num_disk_tokens == 0 and last.num_reused_tokens == 0
@@ -245,7 +233,7 @@ def test_another_tenants_request_is_not_served_the_unsalted_files(tmp_path):
     assert len(list(salted_ns.glob("*.kv"))) >= FIRST_TURN_BLOCKS
     assert sorted(unsalted_ns.glob("*.kv")) == unsalted_files
 
-    tokens, last = run_salted(engine, second, None)
+    tokens, last = run(engine, second, None)
     assert tokens == expected
     assert last.num_disk_tokens >= 60 and last.num_reused_tokens == last.num_disk_tokens
     engine.tiers.close()

@@ -119,7 +119,11 @@ class Engine:
     def prompt_hashes(self, request_id: RequestId) -> list[BlockHash]:
         """The hashes of a queued request's full prompt blocks (computed now, once: the
         scheduler's prefix match reuses them)."""
-        return self.prompt_hashes_of(self.scheduler.requests[request_id])
+        r = self.scheduler.requests[request_id]
+        if len(r.block_hashes) < r.num_prompt_tokens // self.scheduler.pool.block_size:
+            extend_block_hashes(r.block_hashes, r.token_ids[: r.num_prompt_tokens],
+                                self.scheduler.pool.block_size, r.extra_keys)
+        return r.block_hashes
 
     def prompt_hashes_of_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None
                                 ) -> list[BlockHash]:
@@ -127,12 +131,6 @@ class Engine:
         hashes: list[BlockHash] = []
         extend_block_hashes(hashes, list(token_ids), self.scheduler.pool.block_size, self._keys(cache_salt))
         return hashes
-
-    def prompt_hashes_of(self, r: Request) -> list[BlockHash]:
-        if len(r.block_hashes) < r.num_prompt_tokens // self.scheduler.pool.block_size:
-            extend_block_hashes(r.block_hashes, r.token_ids[: r.num_prompt_tokens],
-                                self.scheduler.pool.block_size, r.extra_keys)
-        return r.block_hashes
 
     def abort(self, request_id: RequestId) -> RequestOutput | None:
         """Stop a request now and free its blocks. None if it already finished or is unknown."""

@@ -142,14 +142,6 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a request; raises ValueError if it can never run. A request is accepted only
         if its longest sequence fits the pool alone, so every accepted request can finish."""
-        self.check_fits(request)
-        request.priority = self._next_priority
-        self._next_priority += 1
-        self.requests[request.request_id] = request
-        self.waiting.append(request)  # the latest arrival: the end of the priority order
-
-    def check_fits(self, request: Request) -> None:
-        """Raise ValueError (with the numbers) if request can never run."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         n, limit = request.num_tokens, self.config.max_model_len
@@ -162,6 +154,10 @@ class Scheduler:
                 f"prompt of {n} tokens with max_tokens {request.sampling.max_tokens} needs up to "
                 f"{needed} KV blocks ({needed * bs} tokens); the pool has {self.pool.num_blocks} "
                 f"({self.pool.num_blocks * bs} tokens): lower max_tokens or the prompt")
+        request.priority = self._next_priority
+        self._next_priority += 1
+        self.requests[request.request_id] = request
+        self.waiting.append(request)  # the latest arrival: the end of the priority order
 
     def loading_request(self, key: str) -> Request | None:
         """The LOADING request a disk read with this key is for; None if it was preempted or

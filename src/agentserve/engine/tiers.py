@@ -62,7 +62,6 @@ class DiskIndex(Protocol):
     capacity_bytes: int
 
     def contains(self, identity: CacheIdentity, block_hash: int) -> bool: ...
-    def get(self, identity: CacheIdentity, block_hash: int) -> bytes | None: ...
     def stats(self) -> DiskStats: ...
 
 
@@ -195,7 +194,8 @@ class KvTiers:
         return out
 
     def loaded(self, block_ids: Sequence[BlockId], payloads: Sequence[bytes]) -> None:
-        """Copy a finished load's payloads into the blocks the scheduler allocated for them."""
+        """Copy payloads into the blocks the scheduler allocated for them (a finished load, or
+        host restores), timed."""
         t0 = self.clock()
         self.mover.write_blocks(block_ids, payloads)
         self.counters.scatter_s += self.clock() - t0
@@ -227,12 +227,8 @@ class KvTiers:
                 assert p is not None, "a host block the scheduler matched left before its restore"
                 block_ids.append(b)
                 payloads.append(p)
-        t0 = self.clock()
-        self.mover.write_blocks(block_ids, payloads)
-        c = self.counters
-        c.scatter_s += self.clock() - t0
-        c.bytes_scattered += sum(map(len, payloads))
-        c.num_restored_blocks += len(block_ids)
+        self.loaded(block_ids, payloads)
+        self.counters.num_restored_blocks += len(block_ids)
 
     # ── offload, when a request finishes ─────────────────────────────────────────────────
     def offload(self, hashes: Sequence[BlockHash], keys: ExtraKeys) -> None:

@@ -108,7 +108,6 @@ class HostStore:
 
     def __init__(self, capacity_bytes: int) -> None:
         self.index = TierIndex("host", capacity_bytes)
-        self.capacity_bytes = capacity_bytes
         self._payloads: dict[BlockHash, bytes] = {}
 
     def __contains__(self, h: object) -> bool:
@@ -139,6 +138,10 @@ class HostStore:
     @property
     def used_bytes(self) -> int:
         return self.index.used_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.index.capacity_bytes
 
     def check(self) -> None:
         self.index.check()

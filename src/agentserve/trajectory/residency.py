@@ -358,8 +358,6 @@ class Residency:
         gap = expected - now if expected is not None else self.estimator.quantile(cls, 0.5)
         choice = choose_tier(len(t.hashes), advice.p_return, gap, self._churn(), self.num_blocks,
                              self.tiers.rates())
-        if choice.action == advice.action:
-            return dataclasses.replace(advice, reason=f"{advice.reason}; {choice.reason()}")
         return dataclasses.replace(advice, action=choice.action, reason=f"{advice.reason}; {choice.reason()}")
 
     def _advise(self, t: Trajectory, cls: str, start_s: float, now: float, expected: float | None,
