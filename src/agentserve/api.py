@@ -18,6 +18,7 @@ from agentserve.engine.scheduler import Scheduler
 from agentserve.kv.block_pool import BlockPool
 from agentserve.kv.identity import CacheIdentity
 from agentserve.kv.tombstones import Tombstones
+from agentserve.ledger.ledger import Ledger
 from agentserve.trajectory.residency import Residency, ResidencyConfig, build_residency
 
 Prompt = str | Sequence[int]
@@ -70,11 +71,13 @@ class LLM:
         residency: str = "off",
         residency_config: ResidencyConfig | None = None,
         tiers: TierConfig | None = None,
+        ledger: bool = True,
     ) -> None:
         """cpu_kernels: on CPU, build and use the C++ decode-attention kernel (model/csrc/)
         where a compiler is available; False keeps torch's SDPA. residency: off | shadow | on
         (trajectory/residency.py; needs the prefix cache). tiers: host and disk KV tiers
-        (engine/tiers.py; need the prefix cache)."""
+        (engine/tiers.py; need the prefix cache). ledger: keep a row per attempt
+        (ledger/ledger.py; `self.ledger`)."""
         if residency != "off" and not enable_prefix_caching:
             raise ValueError(f"residency {residency!r} needs the prefix cache; drop --no-prefix-caching "
                              "or use --residency off")
@@ -107,17 +110,20 @@ class LLM:
         self.residency: Residency | None
         self.residency, eviction = build_residency(residency, built.num_blocks, block_size, clock,
                                                    residency_config)
-        tombstones = None if self.residency is None else Tombstones(clock, capacity=max(4 * built.num_blocks, 1024))
+        # tombstones say when and why a block left: for receipts and the ledger's miss reasons
+        tombstones = None if self.residency is None and not ledger else \
+            Tombstones(clock, capacity=max(4 * built.num_blocks, 1024))
         pool = BlockPool(built.num_blocks, block_size, eviction, tombstones)
         if self.residency is not None:
             self.residency.attach(pool)
         self.tiers = self._build_tiers(tiers, pool, dtype, enable_prefix_caching)
         if self.tiers is not None and self.residency is not None and residency == "on":
             self.residency.tiers = self.tiers  # advice offloads, prefetches and releases for real
+        self.ledger = Ledger(block_size, self.model_config.name, clock) if ledger else None
         self.engine = Engine(
             Scheduler(self.scheduler_config, pool, lower=self.tiers), built.runner,
             model_id=self.model_config.name, vocab_size=self.model_config.vocab_size,
-            detokenizer=_Decoder(self.tokenizer), tiers=self.tiers,
+            detokenizer=_Decoder(self.tokenizer), tiers=self.tiers, ledger=self.ledger,
         )
 
     def _build_tiers(self, config: TierConfig | None, pool: BlockPool, dtype: str, prefix_caching: bool

@@ -21,6 +21,8 @@ _COMMANDS: dict[str, str] = {
     "analyze": "agentserve.analyze.cli",
     "sim": "agentserve.sim.cli",
     "replay": "agentserve.bench.replay_cli",
+    "ledger": "agentserve.ledger.cli",
+    "report": "agentserve.ledger.report",
 }
 
 

@@ -87,12 +87,13 @@ def tiny_engine(arch: str = "qwen2", *, block_size: int = 4, num_blocks: int = 6
                 max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
                 enable_prefix_caching: bool = True, dtype: torch.dtype = torch.float32,
                 kernels: CpuKernels | KernelSpy | None = None, sharp_attention: bool = True,
-                eviction=None, tiers=None):
+                eviction=None, tiers=None, ledger: bool = False):
     """An Engine over a tiny random model: (engine, hf_model). kernels: the C++ decode
     attention (or a spy on it); None runs decode attention through torch's SDPA. The model's
     attention is sharp by default: engine tests compare greedy tokens, and only then do the
     tokens depend on what attention computed. eviction: the pool's EvictionPolicy (LRU if None).
-    tiers: a TierConfig for host and disk KV tiers (engine.tiers is then the KvTiers)."""
+    tiers: a TierConfig for host and disk KV tiers (engine.tiers is then the KvTiers).
+    ledger: keep a ledger (engine.ledger), with tombstones in the pool for its miss reasons."""
     from agentserve.config import SchedulerConfig
     from agentserve.engine.engine import Engine
     from agentserve.engine.scheduler import Scheduler
@@ -104,7 +105,14 @@ def tiny_engine(arch: str = "qwen2", *, block_size: int = 4, num_blocks: int = 6
     cfg = model_config_of(hf, arch)
     model = Transformer(cfg, weights_of(hf, dtype), kernels=kernels)
     runner = ModelRunner(model, num_blocks, block_size, dtype, torch.device("cpu"))
-    pool = BlockPool(num_blocks, block_size, eviction)
+    tombstones = None
+    if ledger:
+        import time
+
+        from agentserve.kv.tombstones import Tombstones
+
+        tombstones = Tombstones(time.monotonic)
+    pool = BlockPool(num_blocks, block_size, eviction, tombstones)
     kv_tiers = None
     if tiers is not None:
         from agentserve.engine.tier_build import build_kv_tiers
@@ -118,7 +126,12 @@ def tiny_engine(arch: str = "qwen2", *, block_size: int = 4, num_blocks: int = 6
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         enable_prefix_caching=enable_prefix_caching, eos_token_ids=()),
         pool, lower=kv_tiers)
-    return Engine(sched, runner, model_id=cfg.name, vocab_size=cfg.vocab_size, tiers=kv_tiers), hf
+    book = None
+    if ledger:
+        from agentserve.ledger.ledger import Ledger
+
+        book = Ledger(block_size, cfg.name)
+    return Engine(sched, runner, model_id=cfg.name, vocab_size=cfg.vocab_size, tiers=kv_tiers, ledger=book), hf
 
 
 def run_all(engine, prompts, sampling) -> list[list[int]]:

@@ -22,8 +22,11 @@ def smol_llm() -> LLM:
 
 
 @contextlib.asynccontextmanager
-async def client_for(llm: LLM) -> AsyncIterator[tuple[httpx.AsyncClient, ServerState]]:
-    state = ServerState(llm=llm, model_name="smollm2-135m", tool_parser=get_parser("auto"))
+async def client_for(llm: LLM, ledger_options=None) -> AsyncIterator[tuple[httpx.AsyncClient, ServerState]]:
+    from agentserve.server.ledger_service import LedgerOptions
+
+    state = ServerState(llm=llm, model_name="smollm2-135m", tool_parser=get_parser("auto"),
+                        ledger_options=ledger_options or LedgerOptions())
     app = build_app(state)
     state.engine = AsyncEngine(llm.engine, on_step=state.metrics.on_step)
     state.engine.start(asyncio.get_running_loop())
@@ -33,6 +36,8 @@ async def client_for(llm: LLM) -> AsyncIterator[tuple[httpx.AsyncClient, ServerS
             yield client, state
     finally:
         state.engine.shutdown()
+        if state.ledger is not None:
+            state.ledger.close()
         assert not llm.engine.has_unfinished()
         llm.engine.scheduler.pool.check()
 

@@ -46,8 +46,15 @@ def test_server_on_a_small_pool_says_so_and_serves_default_max_tokens(small_llm)
             assert card["max_model_len"] == 128 and "lowered from 8192 to 128" in card["max_model_len_note"]
             body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Count slowly."}],
                     "temperature": 0, "ignore_eos": True}  # max_tokens: the rest of the context
+            before = small_llm.ledger.totals.recomputed, small_llm.ledger.totals.prompt
             rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=body) for _ in range(3)))
             for r in rs:
                 assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
                 assert r.json()["usage"]["total_tokens"] == 128
+            # they preempted one another: the ledger's recompute equals the responses' exactly
+            usages = [r.json()["usage"] for r in rs]
+            recomputed = sum(u["agentserve"]["recomputed_tokens"] for u in usages)
+            assert recomputed > 0
+            assert small_llm.ledger.totals.recomputed - before[0] == recomputed
+            assert small_llm.ledger.totals.prompt - before[1] == sum(u["prompt_tokens"] for u in usages)
     asyncio.run(go())

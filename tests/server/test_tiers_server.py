@@ -37,14 +37,19 @@ def tiers(disk_dir, host_gib: float = 0.25) -> TierConfig:
     return TierConfig(host_bytes=int(host_gib * 2**30), disk_dir=disk_dir, disk_bytes=1 << 30, key=KEY)
 
 
-async def turn_then_fillers(client, fillers: int):
-    """The first turn, `fillers` unrelated conversations, and the body of the next turn."""
+async def turn_then_fillers(client, fillers: int, usages: list | None = None):
+    """The first turn, `fillers` unrelated conversations, and the body of the next turn
+    (their usages appended to `usages`)."""
     first = chat("Name a color.")
     reply = (await client.post("/v1/chat/completions", json=first)).json()
+    seen = [reply["usage"]]
     for i in range(fillers):
         r = await client.post("/v1/chat/completions", json={**chat(f"Count to {i + 3}."),
                                                            "messages": [{"role": "user", "content": f"filler {i} " * 120}]})
         assert r.status_code == 200
+        seen.append(r.json()["usage"])
+    if usages is not None:
+        usages.extend(seen)
     history = [{"role": "user", "content": "Name a color."},
                {"role": "assistant", "content": reply["choices"][0]["message"]["content"]}]
     return chat("Name another one.", history)
@@ -67,17 +72,26 @@ def first_server(disk_dir, recomputed):
     llm = small(tiers(disk_dir))
 
     async def go(client, state):
-        body = await turn_then_fillers(client, fillers=3)
+        usages: list = []
+        body = await turn_then_fillers(client, fillers=3, usages=usages)
         assert body == recomputed[0]
         r = (await client.post("/v1/chat/completions", json=body)).json()
-        return r, (await client.get("/metrics")).text
+        usages.append(r["usage"])
+        return r, (await client.get("/metrics")).text, usages
     out = runner_for(llm)(go)
     llm.close()
     return out
 
 
+def ledger_total(metrics: str, tier: str) -> float:
+    line = next(x for x in metrics.splitlines() if x.startswith(f'agentserve:prompt_tokens_cached_total{{tier="{tier}"}}'))
+    return float(line.rsplit(" ", 1)[1])
+
+
 def test_a_turn_pushed_out_of_the_pool_comes_back_from_host(first_server, recomputed):
-    r, metrics = first_server
+    r, metrics, usages = first_server
+    for tier in ("device", "host", "disk"):  # the ledger (every attempt) equals the responses exactly
+        assert ledger_total(metrics, tier) == sum(u["agentserve"]["reused_tokens_by_tier"][tier] for u in usages)
     by_tier = r["usage"]["agentserve"]["reused_tokens_by_tier"]
     assert by_tier["host"] >= 128, by_tier  # the system prompt and the first turn, at least
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == sum(by_tier.values())
@@ -95,6 +109,8 @@ def test_a_restarted_server_serves_the_turn_from_disk(disk_dir, first_server, re
         by_tier = r["usage"]["agentserve"]["reused_tokens_by_tier"]
         assert by_tier["disk"] >= 128 and by_tier["device"] == 0, by_tier
         assert r["choices"][0]["message"]["content"] == text_ref
+        metrics = (await client.get("/metrics")).text
+        assert ledger_total(metrics, "disk") == by_tier["disk"]  # a fresh server: this row alone
     runner_for(llm)(go)
     llm.close()
 

@@ -97,7 +97,8 @@ class TurnRecord:
 
 
 async def run_session(client: httpx.AsyncClient, model: str, script: Script, start_delay_s: float,
-                      system_words: int, result_words: int, max_tokens: int, seed: int) -> tuple[float, list[TurnRecord]]:
+                      system_words: int, result_words: int, max_tokens: int, seed: int,
+                      outcome: bool = False) -> tuple[float, list[TurnRecord]]:
     rng = random.Random(f"{seed}-{script.name}")
     await asyncio.sleep(start_delay_s)
     messages = [{"role": "system", "content": f"You are coding agent {script.name}. Repository notes: "
@@ -133,6 +134,9 @@ async def run_session(client: httpx.AsyncClient, model: str, script: Script, sta
         else:
             messages.append({"role": "assistant", "content": msg.get("content") or ""})
             messages.append({"role": "user", "content": "Next: " + _text(rng, 25)})
+    if outcome:  # the harness's verdict, for the ledger's cost per successful task
+        await client.post(f"/v1/trajectories/{script.name}/events",
+                          json={"event": "trajectory_finished", "success": all(r.status == 200 for r in records)})
     return time.monotonic() - t0, records
 
 
@@ -162,7 +166,8 @@ async def one_run(url: str, model: str, mode: str, seed: int, plans: list[Script
     t0 = time.monotonic()
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         results = await asyncio.gather(*[
-            run_session(client, model, s, d, args.system_words, args.result_words, args.max_tokens, seed)
+            run_session(client, model, s, d, args.system_words, args.result_words, args.max_tokens, seed,
+                        getattr(args, "outcomes", False))
             for s, d in zip(plans, delays)])
         stats = {}
         if residency_of(mode) != "off":
@@ -202,7 +207,7 @@ def tier_bytes(metrics: str) -> dict[str, float]:
     return out
 
 
-def server_args(args, mode: str, disk_dir: Path) -> list[str]:
+def server_args(args, mode: str, disk_dir: Path, ledger: Path | None = None) -> list[str]:
     """Every ablation gets the same RAM for KV: with tiers the device pool gives up
     --kv-host-share of it to the host store (one DRAM here); the disk tier is extra, its files
     kept out of the page cache so that they cost no RAM either."""
@@ -214,6 +219,8 @@ def server_args(args, mode: str, disk_dir: Path) -> list[str]:
     if tiers:
         out += ["--kv-host-gib", f"{total * args.kv_host_share:.6f}", "--kv-disk-dir", str(disk_dir),
                 "--kv-disk-gib", str(args.kv_disk_gib), "--kv-key", "00" * 32, "--kv-disk-no-page-cache"]
+    if ledger is not None:
+        out += ["--ledger", str(ledger)]
     return out
 
 
@@ -264,7 +271,10 @@ def run(args) -> int:
         order = modes if seed % 2 == 0 else list(reversed(modes))  # no mode always runs first
         for mode in order:
             with tempfile.TemporaryDirectory(prefix="agentserve-bench-kv-") as disk_dir:  # cold per run
-                with served(server_args(args, mode, Path(disk_dir))) as srv:
+                ledger = out_dir / f"ledger-{mode}-s{seed}.jsonl" if args.ledger else None
+                if ledger is not None:
+                    ledger.unlink(missing_ok=True)
+                with served(server_args(args, mode, Path(disk_dir), ledger)) as srv:
                     r = asyncio.run(one_run(srv.url, args.model, mode, seed, plans, args))
             results.append(r)
             print(json.dumps(asdict(r)), flush=True)
@@ -272,6 +282,12 @@ def run(args) -> int:
     table = summarize(results, modes)
     (out_dir / "summary.md").write_text(table + "\n")
     print(table)
+    if args.ledger:  # the modes of seed 0 side by side (docs/ledger.md)
+        from agentserve.cli import main as cli
+
+        files = [str(out_dir / f"ledger-{m}-s0.jsonl") for m in modes]
+        cli(["report", *files, *[f"--label={m}" for m in modes], "--out", str(out_dir / "report"),
+             "--title", f"agentserve bench residency, seed 0: {', '.join(modes)}"])
     return 0
 
 
@@ -296,3 +312,7 @@ def add_args(p) -> None:
     p.add_argument("--kv-disk-gib", type=float, default=4.0, help="D, G: the disk tier's bound")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--out", default="bench-residency")
+    p.add_argument("--ledger", action="store_true",
+                   help="each server writes its ledger to OUT/ledger-MODE-sSEED.jsonl; OUT/report shows seed 0's modes")
+    p.add_argument("--outcomes", action="store_true",
+                   help="end each session with trajectory_finished and success (changes what residency sees)")

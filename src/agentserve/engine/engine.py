@@ -30,6 +30,7 @@ from agentserve.engine.detokenize import IncrementalDecoder
 from agentserve.engine.scheduler import Batch, Scheduler
 from agentserve.engine.tiers import KvTiers
 from agentserve.kv.hashing import BlockHash, ExtraKeys, extend_block_hashes
+from agentserve.ledger.ledger import Ledger, PoolCacheView
 
 Clock = Callable[[], float]
 
@@ -63,9 +64,11 @@ class Engine:
         clock: Clock = time.monotonic,
         detokenizer: Detokenizer | None = None,
         tiers: KvTiers | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         """tiers: host and disk KV tiers (engine/tiers.py); the scheduler must have been built
-        with them as its `lower` tier."""
+        with them as its `lower` tier. ledger: a row per attempt (ledger/ledger.py), told of
+        every request's first chunk and end, and of each step's time."""
         assert (tiers is None) == (scheduler.lower is None) or not scheduler.config.enable_prefix_caching
         self.scheduler = scheduler
         self.tiers = tiers
@@ -77,6 +80,10 @@ class Engine:
         self._ids = itertools.count()
         self._extra_keys: dict[str | None, ExtraKeys] = {}
         self._stop_text: dict[RequestId, IncrementalDecoder] = {}  # requests with stop strings
+        self.ledger = ledger
+        if ledger is not None:
+            scheduler.observer = ledger
+            ledger.view = PoolCacheView(scheduler.pool, tiers)
 
     def add(
         self,
@@ -157,8 +164,11 @@ class Engine:
             return []
         t0 = self.clock()
         result = self.runner.run(batch)
+        elapsed = self.clock() - t0
         if tiers is not None:
-            tiers.timed_step(batch.num_tokens, self.clock() - t0)
+            tiers.timed_step(batch.num_tokens, elapsed)
+        if self.ledger is not None:
+            self.ledger.on_step(batch, elapsed)
         outputs = self.scheduler.update(batch, result.sampled, self.clock(), result.failed)
         outputs = [self._check_stop_strings(o) for o in outputs]
         self._offload()

@@ -116,6 +116,14 @@ def _frozen(token_ids: Sequence[int]) -> Sequence[int]:
     return tuple(token_ids) if isinstance(token_ids, list) else token_ids
 
 
+class SchedulerObserver(Protocol):
+    """Told of each request's first scheduled chunk (its prefix reuse is final then) and of
+    its end, whatever ended it (the ledger, ledger/ledger.py)."""
+
+    def first_chunk(self, request: Request) -> None: ...
+    def finished(self, request: Request) -> None: ...
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, lower: LowerTier | None = None) -> None:
         assert pool.block_size == config.block_size
@@ -131,6 +139,7 @@ class Scheduler:
         self.requests: dict[RequestId, Request] = {}
         self._finished: list[RequestId] = []
         self._next_priority = 0
+        self.observer: SchedulerObserver | None = None
 
     # ── admission and removal ─────────────────────────────────────────────────────────────
     def max_sequence_blocks(self, request: Request) -> int:
@@ -208,6 +217,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
+        if self.observer is not None:
+            self.observer.finished(request)
         return request
 
     def take_started(self) -> list[Request]:
@@ -292,6 +303,8 @@ class Scheduler:
     def _preempt(self, request: Request, by: Request, preemptions: list[Preemption], for_slot: bool) -> None:
         assert by.priority <= request.priority, "a request is preempted only for an earlier arrival"
         self.running.remove(request)
+        if self.pool.tombstones is not None:  # if its blocks are evicted now, preemption did it
+            self.pool.tombstones.note(request.block_hashes[: request.num_cached_blocks], "preemption")
         request.load_key = None  # a read in flight for it is stale now
         request.staged = False  # it may load from disk again when it is admitted again
         self._free_blocks(request)
@@ -413,6 +426,8 @@ class Scheduler:
         start = request.num_computed_tokens
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
+            if self.observer is not None:
+                self.observer.first_chunk(request)
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=_frozen(request.token_ids[start : start + n]),

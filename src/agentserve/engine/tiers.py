@@ -124,6 +124,14 @@ class KvTiers:
             ident = self._ids[keys.cache_salt] = self.identity.for_tenant(keys.cache_salt)
         return ident
 
+    def held(self, hashes: Sequence[BlockHash], cache_salt: str | None) -> tuple[int, int]:
+        """How many of hashes the host store and the disk hold (index lookups, no I/O)."""
+        host = sum(map(self.host.__contains__, hashes))
+        if self.disk is None:
+            return host, 0
+        ident = self.identity.for_tenant(cache_salt)
+        return host, sum(self.disk.contains(ident, h) for h in hashes)
+
     # ── scheduler side ───────────────────────────────────────────────────────────────────
     def match(self, hashes: Sequence[BlockHash]) -> int:
         """How many of hashes, from the first, the host store can restore."""
@@ -190,6 +198,9 @@ class KvTiers:
             c.restore_wait_s += self.clock() - self._loaded_at.pop(done.key, self.clock())
             c.num_loaded_blocks += len(done.hashes)
             c.num_disk_read_misses += len(wanted) - len(done.hashes)
+            if len(wanted) > len(done.hashes) and self.pool.tombstones is not None:
+                # a missing, corrupt or unauthenticated file: the ledger's miss says so
+                self.pool.tombstones.record(wanted[len(done.hashes) :], "lower_tier_unreadable", "disk")
             out.append(done)
         return out
 

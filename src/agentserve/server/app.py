@@ -30,6 +30,8 @@ from agentserve.trajectory.registry import TrajectoryKey
 from agentserve.server.protocol import AgentHints
 from agentserve.server.tool_parsers import ToolParser
 from agentserve.server.trajectories import Identity, Trajectories, identity_of
+from agentserve.server import ledger_service
+from agentserve.server.ledger_service import LedgerOptions, LedgerService
 
 
 @dataclass
@@ -46,6 +48,8 @@ class ServerState:
     admission: Admission = field(init=False)
     live: dict[str, Generation] = field(default_factory=dict)  # accepted, not yet closed
     trajectories: Trajectories | None = field(init=False, default=None)  # None: --residency off
+    ledger_options: LedgerOptions = field(default_factory=LedgerOptions)
+    ledger: LedgerService | None = field(init=False, default=None)  # None: the LLM keeps no ledger
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config)
@@ -55,6 +59,15 @@ class ServerState:
             self.trajectories = Trajectories(residency, mode, self.metrics)
         else:
             self.metrics.watch_residency(None, mode)
+        ledger = getattr(self.llm, "ledger", None)
+        if ledger is not None:
+            from agentserve.server.ledger_metrics import LedgerCollector, LedgerHistograms
+
+            self.ledger = LedgerService(ledger, self.ledger_options, self.llm.tokenizer)
+            hist = LedgerHistograms(self.metrics.registry)
+            # this server's handlers replace any earlier server's on the same LLM
+            ledger.on_row = [hist.on_row] + ([self.ledger.writer.put] if self.ledger.writer else [])
+            self.metrics.registry.register(LedgerCollector(ledger, self.ledger.writer))
         tiers = getattr(self.llm, "tiers", None)
         if tiers is not None:
             from agentserve.server.tier_metrics import TierCollector
@@ -139,29 +152,34 @@ class ServerState:
 
     async def start(self, request: Request, request_id: str, prompt: list[int],
                     sampling: SamplingParams, body: _Sampling, route: str,
-                    slot: Slot | None = None, track: bool = True) -> Generation:
+                    slot: Slot | None = None, track: bool = True, within: Generation | None = None
+                    ) -> Generation:
         """Admit a request (with its queue slot: taken at the door, or given) and hand it to
         the engine. The caller owns the returned Generation and must close it (generation.py).
         track: the request is a turn of its trajectory (False for a generation the server makes
-        itself inside a turn)."""
+        itself inside a turn: `within`, whose trajectory and turn its ledger row joins)."""
         slot = slot or slot_of(request.scope)
         if slot is None:
             raise RuntimeError(f"{route}: a generation route was reached without the door")
         ident = self._identity(body, request) if track else None
         try:  # until the Generation owns it, the slot is given back on every way out
-            stream = await self._add(slot, request_id, prompt, sampling, body, ident)
+            stream = await self._add(slot, request_id, prompt, sampling, body, ident, route, within)
         except BaseException:
             slot.release()
             raise
         generation = Generation(self.async_engine(), request_id, stream, slot, self.metrics, route, self._closed)
+        generation.session_id = ident.session if ident else None
+        if ident is not None and ident.id is not None:
+            generation.ledger_key = (ident.tenant, ident.id)
         if isinstance(stream.context, TrajectoryKey) and self.trajectories is not None:
             generation.trajectory = stream.context
+            generation.ledger_key = (stream.context.tenant, stream.context.id)
             self.trajectories.started(stream.context, request_id, ident.session if ident else None)
         self.live[request_id] = generation
         return generation
 
     def _identity(self, body: _Sampling, request: Request) -> Identity | None:
-        if self.trajectories is None:
+        if self.trajectories is None and self.ledger is None:
             return None
         sid = body.session_id or request.headers.get("x-session-id")
         session = self.sessions.get(sid) if sid else None
@@ -175,7 +193,8 @@ class ServerState:
                 self.trajectories.abandoned(self, g.trajectory)
 
     async def _add(self, slot: Slot, request_id: str, prompt: list[int], sampling: SamplingParams,
-                   body: _Sampling, ident: Identity | None) -> RequestStream:
+                   body: _Sampling, ident: Identity | None, route: str = "chat",
+                   within: Generation | None = None) -> RequestStream:
         try:
             self.admission.admit(slot, len(prompt))
         except Overloaded as exc:
@@ -183,6 +202,8 @@ class ServerState:
         then = None
         if ident is not None and self.trajectories is not None:
             then = self.trajectories.then(self.llm.engine, ident)
+        if self.ledger is not None:
+            then = self.ledger.hook(self, then, ident, body, prompt, route, within)
         try:
             return await self.async_engine().add(prompt, sampling, request_id, body.cache_salt, then)
         except ValueError as exc:
@@ -202,6 +223,17 @@ class ServerState:
                 since = g.stream.pending_since
                 if since is not None and now - since > timeout:
                     g.drop(f"its client took no output for {now - since:.0f} s")
+
+    async def cache_receipt(self, body: _Sampling, gen: Generation) -> dict[str, Any] | None:
+        """The request's cache receipt when it asked for one (its row is made before its last
+        output is delivered, so the receipt is there)."""
+        if not body.cache_receipt or self.ledger is None:
+            return None
+        ledger = self.ledger.ledger
+        try:
+            return await self.async_engine().call(lambda: ledger.receipt(gen.request_id))
+        except EngineUnavailable:
+            return None
 
     def finish(self, session_id: str | None, out: RequestOutput, gen: Generation,
                calls: Sequence[str] = (), hints: AgentHints | None = None) -> None:
@@ -234,6 +266,8 @@ def build_app(state: ServerState) -> FastAPI:
                 expirer.cancel()
             if own_engine:
                 state.async_engine().shutdown()
+            if state.ledger is not None:
+                state.ledger.close()
 
     app = FastAPI(title="agentserve", lifespan=lifespan)
     app.state.agentserve = state
@@ -278,4 +312,5 @@ def build_app(state: ServerState) -> FastAPI:
     chat_routes.register(app, state)
     completion_routes.register(app, state)
     trajectories.register(app, state)
+    ledger_service.register(app, state)
     return app

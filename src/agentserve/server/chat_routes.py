@@ -63,7 +63,7 @@ class _Turn:
             decision = LoopDecision(decision.calls[:1], decision.dropped, decision.ask_answer)
         return decision
 
-    async def answer(self, reply: RequestOutput) -> tuple[Generation, TextState] | None:
+    async def answer(self, reply: RequestOutput, first: Generation) -> tuple[Generation, TextState] | None:
         """The model's answer without tools, as a second request with a queue slot of its own
         (the caller closes it); None when max_tokens leaves no room for it."""
         limit = self.body.max_completion_tokens or self.body.max_tokens
@@ -77,7 +77,7 @@ class _Turn:
         sampling = state.sampling(body, len(prompt.token_ids), left, guide)
         rid = f"{self.request_id}-answer"
         gen = await state.start(self.request, rid, prompt.token_ids, sampling, body, "chat",
-                                slot=state.enter(), track=False)
+                                slot=state.enter(), track=False, within=first)
         return gen, TextState(state.tokenizer, sampling.stop)
 
 
@@ -103,7 +103,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         assert text.last is not None
         parsed = extract(parser.parser, text.text, prompt.tools) if parser else ParsedOutput(text.text, ())
         decision, content, last = turn.decide(parsed), parsed.content, text.last
-        if decision.ask_answer and (started := await turn.answer(last)) is not None:
+        if decision.ask_answer and (started := await turn.answer(last, gen)) is not None:
             answer_gen, answer = started
             if (gone := await run_one_shot(request, answer_gen, answer)) is not None:
                 return gone
@@ -117,7 +117,8 @@ def register(app: FastAPI, state: ServerState) -> None:
                   "finish_reason": _finish_reason(last.finish_reason.value, bool(decision.calls))}
         if decision.dropped:
             choice["agentserve"] = decision.record()
-        return {**head, "object": "chat.completion", "choices": [choice], "usage": usage(last, session_id, gen.trajectory_id)}
+        return {**head, "object": "chat.completion", "choices": [choice], "usage": usage(last, session_id, gen.trajectory_id,
+                                                                              await state.cache_receipt(body, gen))}
 
 
 async def _stream(turn: _Turn, parser: StreamingToolParser | None, gen: Generation, text: TextState,
@@ -139,7 +140,7 @@ async def _stream(turn: _Turn, parser: StreamingToolParser | None, gen: Generati
         decision = turn.decide(parsed)
         if rest:
             yield chunk({"content": rest})
-    if decision.ask_answer and (started := await turn.answer(last)) is not None:
+    if decision.ask_answer and (started := await turn.answer(last, gen)) is not None:
         answer_gen, answer = started  # nothing was shown: the reply opened with its calls
         try:
             async for out in answer_gen.outputs():
@@ -156,5 +157,6 @@ async def _stream(turn: _Turn, parser: StreamingToolParser | None, gen: Generati
     record = {"agentserve": decision.record()} if decision.dropped else {}
     yield chunk({}, _finish_reason(last.finish_reason.value, bool(decision.calls)), **record)
     if turn.body.stream_options and turn.body.stream_options.include_usage:
-        yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(last, session_id, gen.trajectory_id)})
+        yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(
+            last, session_id, gen.trajectory_id, await turn.state.cache_receipt(turn.body, gen))})
     yield DONE

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from agentserve.config import ServerConfig, TierConfig
+from agentserve.ledger.prices import PriceError
 from agentserve.server.grammars import add_grammar_args, grammar_config
 from agentserve.server.tool_parsers import get_parser
 
@@ -24,7 +25,7 @@ def build_state(args: argparse.Namespace):
               max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
               device=args.device, cache_root=args.cache_root, cpu_kernels=not args.no_cpu_kernels,
-              residency=args.residency, tiers=tier_config(args))
+              residency=args.residency, tiers=tier_config(args), ledger=not args.no_ledger)
     if llm.runner.guided is not None:
         llm.runner.guided.warm()  # constrained decoding's token table: built now, not on a request
     # Start-up's ~450k objects (tokenizer tables, modules) leave the collector's view: a full
@@ -32,9 +33,28 @@ def build_state(args: argparse.Namespace):
     # allocations triggered one.
     gc.collect()
     gc.freeze()
-    return ServerState(llm=llm, model_name=args.served_model_name or args.model,
-                       tool_parser=get_parser(args.tool_parser), config=server_config(args),
-                       grammar_config=grammar_config(args))
+    try:
+        return ServerState(llm=llm, model_name=args.served_model_name or args.model,
+                           tool_parser=get_parser(args.tool_parser), config=server_config(args),
+                           grammar_config=grammar_config(args), ledger_options=ledger_options(args))
+    except PriceError as exc:
+        raise SystemExit(f"--prices: {exc}") from None
+    except OSError as exc:
+        raise SystemExit(f"--ledger {args.ledger}: {exc}") from None
+
+
+def ledger_options(args: argparse.Namespace):
+    from pathlib import Path
+
+    from agentserve.ledger.prices import load_prices
+    from agentserve.server.ledger_service import LedgerOptions
+
+    load_prices(args.prices)  # a bad table fails at start, with the field named
+    if args.ledger_max_mib <= 0 or args.ledger_backups < 0:
+        raise SystemExit("--ledger-max-mib must be > 0 and --ledger-backups >= 0")
+    return LedgerOptions(path=None if args.ledger is None else Path(args.ledger),
+                         max_bytes=max(4096, int(args.ledger_max_mib * 2**20)), backups=args.ledger_backups,
+                         prices=args.prices, text_window=args.ledger_text_window)
 
 
 def tier_config(args: argparse.Namespace) -> TierConfig:
@@ -150,6 +170,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--kv-disk-no-page-cache", action="store_true",
                    help="sync and drop block files from the OS page cache (reads come from the disk)")
     p.add_argument("--tool-parser", default="auto", choices=["auto", "hermes", "json", "qwen3_xml"])
+    lg = p.add_argument_group("ledger (docs/ledger.md)")
+    lg.add_argument("--ledger", default=None, metavar="PATH",
+                    help="write a JSON line per attempt here (rotated; `agentserve report PATH` draws it)")
+    lg.add_argument("--ledger-max-mib", type=float, default=64.0, help="rotate the ledger file past this size")
+    lg.add_argument("--ledger-backups", type=int, default=5, help="rotated ledger files kept")
+    lg.add_argument("--ledger-text-window", action="store_true",
+                    help="put a short window of old and new text around a prompt's divergence in the "
+                         "ledger (off by default: the file then holds no prompt text)")
+    lg.add_argument("--prices", default=None, metavar="PRESET|YAML",
+                    help="price table for costs (presets: cached-half, cached-tenth, cache-write-premium, "
+                         "self-hosted; default cached-tenth)")
+    lg.add_argument("--no-ledger", action="store_true", help="keep no ledger (no rows, no ledger metrics)")
     d = ServerConfig()
     g = p.add_argument_group("bounds (docs/reliability.md)")
     g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,

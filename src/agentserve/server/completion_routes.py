@@ -40,7 +40,8 @@ def register(app: FastAPI, state: ServerState) -> None:
                                   "finish_reason": FINISH[text.last.finish_reason.value]}
         if body.return_token_ids:
             choice |= {"prompt_token_ids": prompt, "token_ids": text.token_ids}
-        return {**head, "object": "text_completion", "choices": [choice], "usage": usage(text.last, session_id, gen.trajectory_id)}
+        return {**head, "object": "text_completion", "choices": [choice], "usage": usage(
+            text.last, session_id, gen.trajectory_id, await state.cache_receipt(body, gen))}
 
 
 async def _stream(state: ServerState, body: CompletionRequest, prompt: list[int],
@@ -58,5 +59,6 @@ async def _stream(state: ServerState, body: CompletionRequest, prompt: list[int]
     assert text.last is not None
     state.finish(session_id, text.last, gen, (), body.agent_hints)
     if body.stream_options and body.stream_options.include_usage:
-        yield sse({**head, "object": "text_completion", "choices": [], "usage": usage(text.last, session_id, gen.trajectory_id)})
+        yield sse({**head, "object": "text_completion", "choices": [], "usage": usage(
+            text.last, session_id, gen.trajectory_id, await state.cache_receipt(body, gen))})
     yield DONE

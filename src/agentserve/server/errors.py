@@ -125,6 +125,9 @@ def _body_error(err: dict[str, Any]) -> APIError:
     if isinstance(value, (bytes, bytearray, str)):
         return APIError(400, "the request body must be a JSON object, sent with Content-Type: "
                              "application/json", code="invalid_json")
+    if err["type"] == "value_error" and isinstance(value, dict):  # a rule across fields
+        return APIError(400, str(err.get("msg", "invalid value")).removeprefix("Value error, "),
+                        code="invalid_value")
     return APIError(400, f"the request body must be a JSON object, got {_got(value)}", code="invalid_value")
 
 

@@ -63,9 +63,11 @@ class TextState:
         return delta, list(out.new_token_ids)
 
 
-def usage(out: RequestOutput, session_id: str | None, trajectory_id: str | None = None) -> dict[str, Any]:
+def usage(out: RequestOutput, session_id: str | None, trajectory_id: str | None = None,
+          cache_receipt: dict[str, Any] | None = None) -> dict[str, Any]:
     ttft = None if out.first_token_time is None else (out.first_token_time - out.arrival_time) * 1e3
     queue = None if out.first_scheduled_time is None else (out.first_scheduled_time - out.arrival_time) * 1e3
+    extra = {} if cache_receipt is None else {"cache_receipt": cache_receipt}
     return {
         "prompt_tokens": out.num_prompt_tokens,
         "completion_tokens": out.num_generated_tokens,
@@ -79,7 +81,7 @@ def usage(out: RequestOutput, session_id: str | None, trajectory_id: str | None 
                 "host": out.num_host_tokens, "disk": out.num_disk_tokens},
             "generated_tokens": out.num_generated_tokens, "recomputed_tokens": out.num_recomputed_tokens,
             "time_to_first_token_ms": ttft, "queue_ms": queue, "session_id": session_id,
-            "trajectory_id": trajectory_id,
+            "trajectory_id": trajectory_id, **extra,
         },
     }
 
@@ -105,6 +107,8 @@ class Generation:
         self._closed = False
         self.trajectory: TrajectoryKey | None = None  # set by the server when residency tracks it
         self.responded = False  # its response was reported to the residency policy
+        self.session_id: str | None = None
+        self.ledger_key: tuple[str, str] | None = None  # (tenant, trajectory id) its ledger rows carry
 
     @property
     def trajectory_id(self) -> str | None:

@@ -31,7 +31,8 @@ ERROR = {
 }
 _WHY = {
     "400": "invalid request: `param` names the field, `message` says what it must be",
-    "404": "unknown model, session or trajectory (or trajectory tracking is off: --residency off)",
+    "404": "unknown model, session or trajectory (or trajectory tracking is off: --residency off; the ledger "
+           "is off: --no-ledger)",
     "409": "the session named by session_id is closed",
     "413": "request body too large",
     "429": "over the admission bounds: retry after the Retry-After header's seconds",
@@ -41,7 +42,8 @@ _WHY = {
 _GENERATION = ("400", "404", "409", "413", "429", "500", "503")
 _BY_PATH = {"/health": ("503",), "/v1/sessions/{session_id}": ("404",),
             "/v1/sessions/{session_id}/close": ("404",), "/v1/trajectories/stats": ("404", "503"),
-            "/v1/trajectories/{trajectory_id}": ("400", "404", "503")}
+            "/v1/trajectories/{trajectory_id}": ("400", "404", "503"),
+            "/v1/trajectories/{trajectory_id}/ledger": ("400", "404", "503")}
 _PLAIN_TEXT = {"/metrics": "text/plain; version=0.0.4"}
 EVENT_STREAM = {"schema": {  # one event: its data is a chunk as JSON, the last one's is [DONE]
     "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}

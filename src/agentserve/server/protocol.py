@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
-                      WithJsonSchema, field_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool,
+                      Tag, WithJsonSchema, field_validator, model_validator)
 from pydantic.json_schema import SkipJsonSchema
 
 MAX_ID_CHARS = 256  # session, trajectory, model names, cache salts
@@ -222,6 +222,14 @@ class TrajectoryEventRequest(_Body):
                                         description="client wall clock, ms since the Unix epoch")
     expected_duration_ms: float | None = Field(default=None, ge=0, le=MAX_HINT_MS, allow_inf_nan=False)
     cache_salt: Id | None = None  # the tenant: the salt its requests carry
+    success: StrictBool | None = Field(default=None, description="with trajectory_finished: the harness's "
+                                       "verdict on the task (the ledger's cost per successful task)")
+
+    @model_validator(mode="after")
+    def _success_ends(self) -> TrajectoryEventRequest:
+        if self.success is not None and self.event != "trajectory_finished":
+            raise ValueError(f"success is only meaningful with trajectory_finished, not {self.event}")
+        return self
 
 
 class _Sampling(_Body):
@@ -245,6 +253,8 @@ class _Sampling(_Body):
     prompt_cache_key: Id | None = None  # OpenAI's; harnesses set it per conversation
     user: Id | None = None
     agent_hints: AgentHints | None = None
+    cache_receipt: StrictBool = Field(default=False, description="put a cache receipt of the reused prefix "
+                                      "in usage.agentserve.cache_receipt (docs/ledger.md)")
 
     @field_validator("top_k")
     @classmethod

@@ -153,7 +153,7 @@ class Trajectories:
     def session_closed(self, state: ServerState, session_id: str) -> None:
         key = self.by_session.pop(session_id, None)
         if key is not None:
-            state.async_engine().submit(lambda: self.residency.on_end(key, State.FINISHED))
+            state.async_engine().submit(lambda: self.residency.on_end(key, State.FINISHED, "session_closed"))
 
     async def expire_forever(self, state: ServerState) -> None:
         while True:
@@ -204,8 +204,25 @@ def register(app: FastAPI, state: ServerState) -> None:
             raise _not_found(trajectory_id)
         return JSONResponse({"mode": svc.mode, **view})
 
+    async def outcome(key: TrajectoryKey, success: bool) -> bool:
+        """The harness's verdict, into the ledger; False if the ledger never saw it."""
+        ledger = state.ledger
+        if ledger is None:
+            return False
+        try:
+            await on_engine(lambda: ledger.ledger.outcome((key.tenant, key.id), success))
+        except KeyError:
+            return False
+        return True
+
     @app.post("/v1/trajectories/{trajectory_id}/events")
     async def trajectory_event(body: TrajectoryEventRequest, trajectory_id: str = TrajectoryId) -> JSONResponse:
+        if state.trajectories is None and body.success is not None and state.ledger is not None:
+            # residency off: the ledger still takes the task's outcome
+            if not await outcome(_tenant_key(trajectory_id, body.cache_salt), body.success):
+                raise _not_found(trajectory_id)
+            return JSONResponse({"trajectory_id": trajectory_id, "event": body.event, "outcome": "applied",
+                                 "aborted_requests": 0, "success": body.success})
         svc = service()
         now_ms = time.time() * 1e3
         if body.emitted_at_ms is not None:
@@ -218,19 +235,25 @@ def register(app: FastAPI, state: ServerState) -> None:
         key = _tenant_key(trajectory_id, body.cache_salt)
         event = Event(body.event)
         expected = None if body.expected_duration_ms is None else body.expected_duration_ms / 1e3
+        recorded = body.success is not None and await outcome(key, body.success)
         try:
-            outcome = await on_engine(lambda: svc.residency.on_event(key, event, body.tool_class, expected))
+            result = await on_engine(lambda: svc.residency.on_event(key, event, body.tool_class, expected))
         except KeyError:
-            raise _not_found(trajectory_id) from None
-        state.metrics.on_event(event.value, outcome.value,
+            if not recorded:
+                raise _not_found(trajectory_id) from None
+            result = Outcome.APPLIED  # the ledger knew it; the policy had let it expire
+        state.metrics.on_event(event.value, result.value,
                                None if body.emitted_at_ms is None else (time.time() * 1e3 - body.emitted_at_ms) / 1e3)
         aborted = 0
-        if event is Event.TRAJECTORY_CANCELLED and outcome is Outcome.APPLIED:
+        if event is Event.TRAJECTORY_CANCELLED and result is Outcome.APPLIED:
             for rid in list(svc.running.get(key, ())):
                 gen = state.live.get(rid)
                 if gen is not None:
                     gen.drop(f"its trajectory {trajectory_id!r} was cancelled")
                     aborted += 1
-        return JSONResponse({"trajectory_id": trajectory_id, "event": event.value, "outcome": outcome.value,
-                             "aborted_requests": aborted})
+        reply = {"trajectory_id": trajectory_id, "event": event.value, "outcome": result.value,
+                 "aborted_requests": aborted}
+        if body.success is not None:
+            reply["success"] = body.success
+        return JSONResponse(reply)
 

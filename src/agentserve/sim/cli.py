@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from agentserve.ledger.writer import write_rows
 from agentserve.sim.fleet import SimConfig, SimError
 from agentserve.sim.plan import Arrival, compile_workload
 from agentserve.sim.policies import POLICIES
@@ -57,6 +58,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host-tokens", default="0", help="host KV tier per replica, tokens (e.g. 4M; 0: none)")
     p.add_argument("--disk-tokens", default="0", help="disk KV tier per replica, tokens (0: none)")
     p.add_argument("--out", default=None, help="write results.json, summary.md, plots, manifest.json")
+    p.add_argument("--ledger", default=None, metavar="PATH",
+                   help="write the server's ledger rows (one per attempt, miss reasons) as JSON lines; "
+                        "with several runs, one file per run (PATH-<policy>-<capacity>-s<seed>.jsonl); "
+                        "`agentserve report` draws them beside a live server's")
     p.add_argument("--fit", action="store_true", help="print the synthetic config fitted to TRACE")
     p.set_defaults(func=run)
 
@@ -96,12 +101,17 @@ def _run(args: argparse.Namespace) -> int:
     caps = _capacities(args, plan, cost)
     base = SimConfig(caps[0], "lru", args.replicas, args.router, args.max_num_batched_tokens,
                      args.max_num_seqs, not args.no_decode_runs, args.skip_oversized, args.events,
-                     _ints(args.host_tokens)[0], _ints(args.disk_tokens)[0])
+                     _ints(args.host_tokens)[0], _ints(args.disk_tokens)[0], ledger=args.ledger is not None)
     spec = SweepSpec(tuple(args.policy.split(",")), caps, seeds, base, Arrival(args.arrival), args.session_rate)
     rows = []
-    for row, _ in run_sweep(plan, spec, cost, lambda m: console.print(f"[dim]{m}[/]")):
+    runs = len(spec.policies) * len(caps) * len(seeds)
+    for row, result in run_sweep(plan, spec, cost, lambda m: console.print(f"[dim]{m}[/]")):
         rows.append(row)
         console.print(_line(row))
+        if args.ledger is not None:
+            path = _ledger_path(Path(args.ledger), row, runs)
+            write_rows(path, result.ledger_rows)
+            console.print(f"wrote {len(result.ledger_rows):,} ledger rows to {path}")
     if args.out:
         from agentserve.sim.report import write_outputs
 
@@ -109,6 +119,13 @@ def _run(args: argparse.Namespace) -> int:
         for path in write_outputs(Path(args.out), rows, manifest, f"{workload.name}, {cost.name}"):
             console.print(f"wrote {path}")
     return 0
+
+
+def _ledger_path(path: Path, row: dict[str, object], runs: int) -> Path:
+    if runs == 1:
+        return path
+    stem = path.name.removesuffix(".jsonl")
+    return path.with_name(f"{stem}-{row['policy']}-{row['capacity_tokens']}-s{row['seed']}.jsonl")
 
 
 def _capacities(args: argparse.Namespace, plan, cost) -> tuple[int, ...]:  # type: ignore[no-untyped-def]

@@ -23,6 +23,9 @@ from agentserve.engine.request import Request, RequestId, RequestOutput, Samplin
 from agentserve.engine.scheduler import Scheduler
 from agentserve.kv.block_pool import BlockPool
 from agentserve.kv.hashing import ExtraKeys
+from agentserve.kv.tombstones import Tombstones
+from agentserve.ledger.ledger import Ledger, PoolCacheView, Tag
+from agentserve.ledger.rows import Row
 from agentserve.sim.cost import CostModel
 from agentserve.sim.eligible import eligible_blocks
 from agentserve.sim.metrics import RequestRecord, summarize
@@ -64,6 +67,7 @@ class SimConfig:
     events: str = "none"  # lifecycle events a harness sends the `agent` policy: none | terminal
     host_tokens: int = 0  # host KV tier per replica, in tokens (0: none)
     disk_tokens: int = 0  # disk KV tier per replica, in tokens (0: none)
+    ledger: bool = False  # keep the server's ledger (a row per attempt, miss reasons) per replica
 
     def __post_init__(self) -> None:
         if self.events not in ("none", "terminal"):
@@ -87,6 +91,7 @@ class SimResult:
     replicas: tuple[ReplicaStats, ...]
     num_skipped: int
     wall_s: float
+    ledger_rows: tuple[Row, ...] = ()  # with config.ledger, in finishing order
 
 
 def check_capacity(plan: Plan, capacity_tokens: int) -> None:
@@ -111,7 +116,7 @@ def simulate(plan: Plan, starts: Sequence[float], config: SimConfig, cost: CostM
     makespan = max((r.done_s for r in fleet.records), default=0.0) - min(starts, default=0.0)
     summary = summarize(fleet.records, fleet.jct, makespan, busy, config.num_replicas)
     return SimResult(config, tuple(fleet.records), tuple(fleet.jct), summary,
-                     tuple(r.stats for r in fleet.replicas), fleet.num_skipped, wall)
+                     tuple(r.stats for r in fleet.replicas), fleet.num_skipped, wall, tuple(fleet.ledger_rows))
 
 
 class Fleet:
@@ -137,7 +142,9 @@ class Fleet:
             ctx = PolicyContext(oracle, self.progress, lambda: self.now, i, self.num_blocks, bs)
             eviction = spec.eviction(ctx) if spec.eviction else None
             residency = self.residency[i] = getattr(eviction, "residency", None)
-            built = BlockPool(self.num_blocks, bs, eviction)
+            # the ledger's miss reasons need tombstones (receipts then count evictions too)
+            stones = Tombstones(lambda: self.now, capacity=max(4 * self.num_blocks, 1024)) if config.ledger else None
+            built = BlockPool(self.num_blocks, bs, eviction, stones)
             if residency is not None:
                 residency.attach(built)  # receipts count resident blocks (no tombstones here)
             return built
@@ -150,8 +157,19 @@ class Fleet:
                                   lambda t: self._push(t, _TIER_DONE, i, 0))
                 if self.residency[i] is not None:
                     self.residency[i].tiers = tiers  # type: ignore[union-attr]
-            return Replica(i, Scheduler(sched, built, lower=tiers), cost, config.decode_runs, tiers)
+            scheduler = Scheduler(sched, built, lower=tiers)
+            ledger = None
+            if config.ledger:  # the server's ledger, on virtual time (arrival_s = simulated seconds)
+                ledger = Ledger(bs, "sim", clock=lambda: self.now, wall_clock=lambda: self.now, keep_tokens=False,
+                                block_lives=False)
+                ledger.view = PoolCacheView(built, tiers)
+                ledger.on_row.append(self.ledger_rows.append)
+                scheduler.observer = ledger
+            self.ledgers.append(ledger)
+            return Replica(i, scheduler, cost, config.decode_runs, tiers, ledger)
 
+        self.ledger_rows: list[Row] = []
+        self.ledgers: list[Ledger | None] = []
         self.replicas = [replica(i) for i in range(config.num_replicas)]
         self.records: list[RequestRecord] = []
         self.jct: list[float] = []
@@ -260,6 +278,11 @@ class Fleet:
         if end is not None:
             self._push(end, _STEP_END, r, rep.generation)
         rep.scheduler.add(req)
+        ledger = self.ledgers[r]
+        if ledger is not None:
+            parent = self._parent.get(c)
+            ledger.bind(req, Tag(("sim", str(c)), str(chain.session), None if parent is None else str(parent[0]),
+                                 "sim"))
         self.progress.sent(c, j, r)
         self._inflight[req.request_id] = (c, j, r, e * bs, req)
         if rep.idle:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from agentserve.engine.request import RequestOutput
 from agentserve.engine.scheduler import Batch, Scheduler
 from agentserve.engine.tiers import KvTiers
+from agentserve.ledger.ledger import Ledger
 from agentserve.sim.cost import CostModel, batch_shape, step_time
 
 SAMPLED_TOKEN = 0  # what every simulated step samples: never a stop token (ignore_eos, no stop ids)
@@ -30,10 +31,11 @@ class ReplicaStats:
 
 class Replica:
     def __init__(self, index: int, scheduler: Scheduler, cost: CostModel, decode_runs: bool = True,
-                 tiers: KvTiers | None = None) -> None:
+                 tiers: KvTiers | None = None, ledger: Ledger | None = None) -> None:
         self.index = index
         self.scheduler = scheduler
         self.tiers = tiers  # the server's KvTiers over simulated stores (sim/tiers.py)
+        self.ledger = ledger  # the server's ledger: each step's time split among its requests
         self.cost = cost
         self.decode_runs = decode_runs
         self.stats = ReplicaStats()
@@ -76,6 +78,12 @@ class Replica:
     def _step_time(self, batch: Batch) -> float:
         """The step's time; with tiers, the restores it copies in first and the forward rate
         the advice measures."""
+        t = self._forward_time(batch)
+        if self.ledger is not None:
+            self.ledger.on_step(batch, t)
+        return t
+
+    def _forward_time(self, batch: Batch) -> float:
         tiers = self.tiers
         if tiers is None:
             return step_time(self.cost, batch_shape(batch))
@@ -105,6 +113,8 @@ class Replica:
         """End the step or decode run in flight (at its end time)."""
         self.stats.busy_s += now - self._start
         if self._run is not None:
+            if self.ledger is not None:
+                self.ledger.on_decode_run([r.request_id for r in self.scheduler.running], now - self._start)
             k, self._run = self._run[2], None
             self.stats.num_steps += k
             self.stats.num_decode_runs += 1
@@ -135,6 +145,8 @@ class Replica:
                 hi = mid - 1
         j = lo
         assert self._run_end(k) > now, "a decode run past its end was not finished"
+        if self.ledger is not None:
+            self.ledger.on_decode_run([r.request_id for r in self.scheduler.running], self._run_end(j) - self._start)
         if j:
             self.scheduler.decode_ahead(j, SAMPLED_TOKEN)
             self.stats.num_steps += j

@@ -252,11 +252,12 @@ class Residency:
         finally:
             self._timed(start)
 
-    def on_end(self, key: TrajectoryKey, state: State) -> None:
-        """trajectory_finished / cancelled / its session closed: protection released at once."""
+    def on_end(self, key: TrajectoryKey, state: State, why: str | None = None) -> None:
+        """trajectory_finished / cancelled / its session closed: protection released at once.
+        why: the tombstone cause if its blocks are evicted later (default: trajectory_<state>)."""
         now = self.clock()
         self._close(key, state.value, now)
-        self._unprotect(key)
+        self._unprotect(key, why or f"trajectory_{state.value}")
         t = self.registry.get(key)
         if t is not None:
             self._release_lower(t)
@@ -271,7 +272,7 @@ class Residency:
         for key, pause in list(self._pauses.items()):
             if now - pause.start_s > self.config.max_idle_s:
                 self._close(key, "expired", now)
-                self._unprotect(key)
+                self._unprotect(key, "protection_expired")
         waits: dict[str, list[float]] = {}  # pauses still open count as censored at their wait
         for pause in self._pauses.values():
             if pause.returned_s is None:
@@ -304,7 +305,7 @@ class Residency:
     def _forget(self, t: Trajectory, outcome: str, now: float) -> None:
         """It left the registry unreturned: censored at its wait, protection released."""
         self._close(t.key, outcome, now)
-        self._unprotect(t.key)
+        self._unprotect(t.key, "protection_expired")
         self._untail(t.key)  # its lower copies stay: it may still come back (the tiers' bounds age them)
 
     def _untail(self, key: TrajectoryKey) -> None:
@@ -333,7 +334,7 @@ class Residency:
                 self._protect(t)
             if len(self.protected) > self.config.max_protected:  # the lowest-ranked one loses it
                 low = min(self.protected.values(), key=lambda x: self.rank(x, now))
-                self._unprotect(low.key)
+                self._unprotect(low.key, "protection_budget")
                 if low.key in self._pauses:
                     p = self._pauses[low.key]
                     p.advice = low.advice = self._advise(
@@ -342,7 +343,7 @@ class Residency:
                 if low is t:
                     advice = t.advice
         else:
-            self._unprotect(t.key)
+            self._unprotect(t.key, "released_by_policy")
         t.advice = advice
         if self.on_pause is not None:
             self.on_pause(t.key, start_s, [(x.key, self.rank(x, now)) for x in self.protected.values()
@@ -426,18 +427,25 @@ class Residency:
         if self.listener is not None:
             self.listener(t.hashes)
 
-    def _unprotect(self, key: TrajectoryKey) -> None:
+    def _unprotect(self, key: TrajectoryKey, cause: str | None = None) -> None:
+        """Its protection ends. cause: noted in the pool's tombstones for the blocks nobody
+        protects now, so a later eviction of them says why they were exposed."""
         t = self.protected.pop(key, None)
         if t is None:
             return
         self.version += 1
         holders = self.holders
+        exposed = []
         for h in t.hashes:
             n = holders[h] - 1
             if n:
                 holders[h] = n
             else:
                 del holders[h]
+                exposed.append(h)
+        pool = self.pool
+        if cause is not None and exposed and pool is not None and pool.tombstones is not None:
+            pool.tombstones.note(exposed, cause)
         self._protected_blocks -= len(t.hashes)
         if self.listener is not None:
             self.listener(t.hashes)

@@ -1,0 +1,1 @@
+"""Per-attempt token and cost accounting: rows, miss reasons, prices, the report (torch-free)."""
