@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Path as PathParam, Query
 from fastapi.responses import JSONResponse
 
+from agentserve.analyze.breaks import window
 from agentserve.ledger.cost import row_cost, summarize
 from agentserve.ledger.ledger import Ledger, Tag, Where
 from agentserve.ledger.prices import PriceTable, load_prices
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from agentserve.server.trajectories import Identity
 
 log = logging.getLogger(__name__)
-WINDOW = (40, 60)  # characters of old and new text around a divergence, with --ledger-text-window
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,23 +106,20 @@ class LedgerService:
         """Where token k of this prompt falls (engine thread, only for a divergence): the
         message whose rendered content the text before k reaches, and with the opt-in flag a
         window of the old and new text."""
-        tok, window = self.tokenizer, self.options.text_window
+        tok, show_text = self.tokenizer, self.options.text_window
 
         def describe(k: int, old: Sequence[int] | None) -> Where:
             text = tok.decode(list(prompt), skip_special_tokens=False)
             at = len(tok.decode(list(prompt[:k]), skip_special_tokens=False))
             index = message_at(text, messages, at)
             role = getattr(messages[index], "role", None) if index is not None and index < len(messages) else None
-            if not window:
+            if not show_text:
                 return Where(index, role)
-            before, after = WINDOW
-            new = text[max(0, at - before) : at + after]
             old_text = None
-            if old is not None:
+            if old is not None:  # the analyzer's window, around the same token of the old sequence
                 o = tok.decode(list(old[max(0, k - 64) : k + 64]), skip_special_tokens=False)
-                o_at = len(tok.decode(list(old[max(0, k - 64) : k]), skip_special_tokens=False))
-                old_text = o[max(0, o_at - before) : o_at + after]
-            return Where(index, role, old_text, new)
+                old_text = window(o, len(tok.decode(list(old[max(0, k - 64) : k]), skip_special_tokens=False)))
+            return Where(index, role, old_text, window(text, at))
 
         return describe
 
