@@ -18,7 +18,7 @@ from agentserve.engine.scheduler import Scheduler
 from agentserve.kv.block_pool import BlockPool
 from agentserve.kv.identity import CacheIdentity
 from agentserve.kv.tombstones import Tombstones
-from agentserve.ledger.ledger import Ledger
+from agentserve.ledger.ledger import Ledger, Tag
 from agentserve.trajectory.residency import Residency, ResidencyConfig, build_residency
 
 Prompt = str | Sequence[int]
@@ -157,10 +157,12 @@ class LLM:
             messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None = None
-                 ) -> list[CompletionOutput]:
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None = None,
+                 trajectory_id: str | None = None) -> list[CompletionOutput]:
         """Run prompts to completion together (continuous batching); outputs in prompt order.
-        A prompt that is rejected raises ValueError before any of them runs."""
+        A prompt that is rejected raises ValueError before any of them runs. trajectory_id: the
+        agent task these prompts are turns of, for the ledger's turns and miss reasons
+        (`self.ledger`; docs/ledger.md)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         sampling = sampling or SamplingParams()
@@ -169,6 +171,8 @@ class LLM:
         try:
             for tokens in encoded:
                 ids.append(self.engine.add(tokens, sampling))
+                if self.ledger is not None and trajectory_id is not None:
+                    self.ledger.bind(self.engine.scheduler.requests[ids[-1]], Tag(("", trajectory_id), route="offline"))
         except ValueError:
             for rid in ids:
                 self.engine.abort(rid)

@@ -67,6 +67,18 @@ class Row:
     ttft_s: float
     latency_s: float
     appended: bool
+    miss: str  # the ledger's reason for the first block not served from cache
+
+
+def miss_text(row) -> str:
+    m = row.miss
+    if m is None:
+        return "-"
+    if m.reason == "diverged":
+        return f"diverged@{m.token}"
+    if m.reason == "evicted":
+        return f"evicted:{m.cause}"
+    return "cold, cache off" if m.cause == "prefix caching off" else m.reason
 
 
 def run_session(llm, max_tokens: int) -> list[Row]:
@@ -77,11 +89,14 @@ def run_session(llm, max_tokens: int) -> list[Row]:
     prompt, appended = render_ids(llm.tokenizer, messages, TOOLS), True
     pieces = [("tool", r) for r in TOOL_RESULTS] + [("user", FOLLOW_UP)]
     rows: list[Row] = []
+    ledger: list = []  # the ledger's rows, one per request (docs/ledger.md)
+    llm.ledger.on_row.append(ledger.append)
     for i, label in enumerate(["question", "tool result 1", "tool result 2", "follow-up"]):
-        (out,) = llm.generate([prompt], sampling)
+        (out,) = llm.generate([prompt], sampling, trajectory_id="demo")
+        row = next(r for r in reversed(ledger) if r.request_id == out.request_id)
         rows.append(Row(label, out.num_prompt_tokens, out.num_reused_tokens,
                         out.num_prefilled_tokens, out.num_generated_tokens,
-                        out.time_to_first_token_s or 0.0, out.latency_s, appended))
+                        out.time_to_first_token_s or 0.0, out.latency_s, appended, miss_text(row)))
         if i == len(pieces):
             break
         reply = [t for t in out.token_ids if t not in llm.model_config.eos_token_ids]
@@ -97,13 +112,13 @@ def run_session(llm, max_tokens: int) -> list[Row]:
 
 def table(title: str, rows: list[Row]) -> Table:
     t = Table(title=title)
-    for col in ("request", "prompt", "reused", "prefilled", "generated", "TTFT s", "total s"):
-        t.add_column(col, justify="left" if col == "request" else "right")
+    for col in ("request", "prompt", "reused", "prefilled", "generated", "TTFT s", "total s", "first miss"):
+        t.add_column(col, justify="left" if col in ("request", "first miss") else "right")
     for r in rows:
         t.add_row(r.label + ("" if r.appended else " *"), str(r.prompt), str(r.reused),
-                  str(r.prefilled), str(r.generated), f"{r.ttft_s:.2f}", f"{r.latency_s:.2f}")
+                  str(r.prefilled), str(r.generated), f"{r.ttft_s:.2f}", f"{r.latency_s:.2f}", r.miss)
     t.add_row("total", *(str(sum(getattr(r, f) for r in rows)) for f in ("prompt", "reused", "prefilled", "generated")),
-              f"{sum(r.ttft_s for r in rows):.2f}", f"{sum(r.latency_s for r in rows):.2f}")
+              f"{sum(r.ttft_s for r in rows):.2f}", f"{sum(r.latency_s for r in rows):.2f}", "")
     return t
 
 

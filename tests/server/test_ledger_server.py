@@ -228,3 +228,21 @@ def test_cache_receipts_describe_the_reused_prefix_per_tenant(llm):
     assert other["prefix_digest"] != obj["prefix_digest"] and other["object_id"] != obj["object_id"]  # ... keyed apart
     assert "cache_receipt" not in plain["usage"]["agentserve"]  # opt-in
     assert bad.status_code == 400 and "cache_receipt" in bad.json()["error"]["message"]
+
+
+def test_offline_generate_binds_its_turns_to_a_trajectory(llm):
+    from agentserve.engine.request import SamplingParams
+
+    rows = []
+    llm.ledger.on_row.append(rows.append)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=8)
+        first = llm.encode("Offline: list three prime numbers. " * 6)
+        (a,) = llm.generate([first], greedy, trajectory_id="offline-1")
+        (b,) = llm.generate([first + list(a.token_ids) + llm.encode(" And three more.")], greedy,
+                            trajectory_id="offline-1")
+    finally:
+        llm.ledger.on_row.remove(rows.append)
+    r1, r2 = (next(r for r in rows if r.request_id == o.request_id) for o in (a, b))
+    assert (r1.trajectory_id, r1.turn, r2.turn, r2.route) == ("offline-1", 1, 2, "offline")
+    assert r2.reused_tokens == b.num_reused_tokens > 0 and r2.miss.reason == "partial_block"
