@@ -289,3 +289,30 @@ def test_the_number_of_protected_trajectories_is_bounded():
         assert len(res.protected) <= 3
     assert sorted(k.id for k in res.protected) == ["t3", "t4", "t5"]  # same class: the oldest lost it
     assert res.registry.get(key("t0")).advice.action == "release"
+
+
+@pytest.mark.parametrize("decayed", [True, False])
+def test_a_pause_whose_p_decays_below_the_threshold_loses_protection_at_a_tick(decayed):
+    from agentserve.kv.tombstones import Tombstones
+
+    clock = Clock()
+    # half of all pauses never return; the others are back within a minute or so
+    estimator = ReturnEstimator(prior=Prior(median_s=10.0, sigma=1.0, never=0.5, weight=4.0))
+    res = Residency(6, clock, ResidencyConfig(release_decayed=decayed), estimator=estimator)
+    pool = BlockPool(6, 1, AgentEviction(res), Tombstones(clock))
+    res.attach(pool)
+    run_turn(pool, res, "a", [1, 2])
+    assert key("a") in res.protected  # P(return) ~0.5 at the pause
+    clock.t = 5.0
+    res.expire()
+    assert key("a") in res.protected  # still likely back
+    clock.t = 600.0  # back by now if ever: P(return | waited 600 s) is ~1e-5
+    res.expire()
+    assert (key("a") in res.protected) is not decayed
+    assert key("a") in res._pauses  # the pause stays open: a return is still settled
+    pool.allocate(6)
+    if decayed:  # its blocks were exposed by the decay: the eviction says so
+        assert pool.tombstones.get(1).cause == "protection_decayed"
+    clock.t = 601.0
+    res.on_request(key("a"))
+    assert res.registry.get(key("a")).receipts[-1].outcome == "returned"

@@ -64,6 +64,9 @@ class ResidencyConfig:
     reorder_s: float = 0.0  # re-sort the eviction order once it is this old (0: whenever time moved;
     # 1 s of staleness cost 5% more recompute on the odd Claude Code files, and sorting is cheap)
     max_idle_s: float = 3_600.0  # protection ends after this long paused
+    # at each expire tick, a protected pause whose P (given its wait) decayed below release_below
+    # loses its protection (False: only the P at the pause decides)
+    release_decayed: bool = True
     min_horizon_s: float = 1.0
     churn_halflife_s: float = 30.0
     block_size: int = 16  # tokens per block, for receipts
@@ -278,10 +281,27 @@ class Residency:
             if pause.returned_s is None:
                 waits.setdefault(pause.pause_class, []).append(now - pause.start_s)
         self.estimator.set_open(waits)
+        if self.config.release_decayed:
+            self._release_decayed(now)
         if self.tiers is not None:
             self._prefetch_due(now)
         self.version += 1
         self._timed(start)
+
+    def _release_decayed(self, now: float) -> None:
+        """A paused trajectory whose P(return within the horizon), given its wait so far, fell
+        below release_below loses its protection now, as it would have at a pause with that P.
+        Its pause stays open (a return is still observed and settled)."""
+        fresh_of: dict[str, float] = {}
+        below = self.config.release_below
+        for key, t in list(self.protected.items()):
+            pause = self._pauses.get(key)
+            if pause is None or pause.returned_s is not None or not t.paused:
+                continue
+            if self.p_keep(t, now, fresh_of) < below:
+                self._unprotect(key, "protection_decayed")
+                if self.log is not None:
+                    self.log.append((now, "decayed", key.id))
 
     def _prefetch_due(self, now: float) -> None:
         """Prefetch the paused trajectories likely back within the next window."""
