@@ -112,7 +112,7 @@ class LLM:
                                                    residency_config)
         # tombstones say when and why a block left: for receipts and the ledger's miss reasons
         tombstones = None if self.residency is None and not ledger else \
-            Tombstones(clock, capacity=max(4 * built.num_blocks, 1024))
+            Tombstones.for_pool(clock, built.num_blocks)
         pool = BlockPool(built.num_blocks, block_size, eviction, tombstones)
         if self.residency is not None:
             self.residency.attach(pool)

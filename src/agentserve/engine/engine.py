@@ -30,7 +30,7 @@ from agentserve.engine.detokenize import IncrementalDecoder
 from agentserve.engine.scheduler import Batch, Scheduler
 from agentserve.engine.tiers import KvTiers
 from agentserve.kv.hashing import BlockHash, ExtraKeys, extend_block_hashes
-from agentserve.ledger.ledger import Ledger, PoolCacheView
+from agentserve.ledger.ledger import Ledger
 
 Clock = Callable[[], float]
 
@@ -82,8 +82,7 @@ class Engine:
         self._stop_text: dict[RequestId, IncrementalDecoder] = {}  # requests with stop strings
         self.ledger = ledger
         if ledger is not None:
-            scheduler.observer = ledger
-            ledger.view = PoolCacheView(scheduler.pool, tiers)
+            ledger.attach(scheduler, tiers)
 
     def add(
         self,

@@ -25,13 +25,19 @@ class Tombstone:
 class Tombstones:
     """Causes: `capacity` (evicted to make room, under `policy`), or, for a block whose last
     release was noted (`note`), that release: `preemption`, `protection_expired`,
-    `trajectory_finished`, `trajectory_cancelled`, `session_closed`; `lower_tier_unreadable`
+    `protection_decayed`, `protection_budget`, `released_by_policy`, `trajectory_finished`,
+    `trajectory_cancelled`, `session_closed`; `lower_tier_unreadable`
     for a block whose lower-tier copy failed to read or verify."""
 
     clock: Callable[[], float]
     capacity: int = 65_536
     _items: OrderedDict[BlockHash, Tombstone] = field(default_factory=OrderedDict)
     _noted: OrderedDict[BlockHash, str] = field(default_factory=OrderedDict)  # latest release cause
+
+    @classmethod
+    def for_pool(cls, clock: Callable[[], float], num_blocks: int) -> Tombstones:
+        """Sized to remember a few pools' worth of evictions."""
+        return cls(clock, capacity=max(4 * num_blocks, 1024))
 
     def note(self, hashes: Iterable[BlockHash], cause: str) -> None:
         """These blocks lost what kept them (their request was preempted, their trajectory's

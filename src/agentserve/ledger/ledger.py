@@ -20,12 +20,13 @@ sequences' token ids within `max_prev_tokens` (beyond it a divergence is located
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import logging
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from agentserve.kv.tombstones import Tombstones
@@ -36,7 +37,7 @@ from agentserve.ledger.rows import Decision, Miss, Outcome, Row
 
 if TYPE_CHECKING:
     from agentserve.engine.request import Request
-    from agentserve.engine.scheduler import Batch
+    from agentserve.engine.scheduler import Batch, Scheduler
 
 log = logging.getLogger(__name__)
 BlockHash = int
@@ -68,17 +69,6 @@ class Tag:
     receipt: bool = False  # build a cache receipt for it (ledger/receipts.py; `receipt()` takes it)
 
 
-class CacheView(Protocol):
-    """What the ledger reads about the cache (the engine's pool and tiers; the simulator's)."""
-
-    tombstones: Tombstones | None
-
-    def num_resident(self, hashes: Sequence[BlockHash]) -> int: ...
-    def lower(self, hashes: Sequence[BlockHash], tenant: str | None) -> tuple[int, int]:
-        """How many of hashes the host store and the disk hold."""
-        ...
-
-
 class _Lower(Protocol):
     def held(self, hashes: Sequence[BlockHash], cache_salt: str | None) -> tuple[int, int]: ...
 
@@ -105,6 +95,7 @@ class PoolCacheView:
         return sum(map(self.pool.index.__contains__, hashes))
 
     def lower(self, hashes: Sequence[BlockHash], tenant: str | None) -> tuple[int, int]:
+        """How many of hashes the host store and the disk hold."""
         return (0, 0) if self.lower_tiers is None else self.lower_tiers.held(hashes, tenant)
 
 
@@ -129,10 +120,10 @@ class _Trajectory:
     prev: PrevSequence | None = None
     rows: list[Row] = field(default_factory=list)
     outcome: Outcome | None = None
-    parent: Key | None = None
     children: set[Key] = field(default_factory=set)
 
 
+@functools.lru_cache(maxsize=4096)
 def tenant_digest(salt: str | None) -> str:
     """The tenant as rows carry it: a digest, so a ledger file never holds a cache salt."""
     return hashlib.sha256(salt.encode()).hexdigest()[:16] if salt else ""
@@ -152,11 +143,10 @@ class Ledger:
         self.max_trajectories = max_trajectories
         self.max_prev_tokens = max_prev_tokens
         self.keep_tokens = keep_tokens  # False: the simulator (its token ids are not real)
-        self.view: CacheView | None = None
+        self.view: PoolCacheView | None = None  # set by attach()
         self.on_row: list[Callable[[Row | Outcome], None]] = []  # engine thread: metrics, writer
         self._active: dict[str, _Attempt] = {}
         self._traj: OrderedDict[Key, _Trajectory] = OrderedDict()
-        self._untracked: deque[Row] = deque(maxlen=10_000)
         self._prev_tokens = 0  # token ids kept across trajectories' previous sequences
         self.seen = SeenFilter()
         self.identities = Identities()
@@ -170,6 +160,11 @@ class Ledger:
         self.receipt_keys = ReceiptKeys()
         self.identity = identity_digest(model_id)  # the server sets model + template + runtime
         self._receipts: OrderedDict[str, dict[str, object]] = OrderedDict()
+
+    def attach(self, scheduler: Scheduler, lower: _Lower | None) -> None:
+        """Watch this scheduler (its first chunks and ends) and read its pool and lower tiers."""
+        scheduler.observer = self
+        self.view = PoolCacheView(scheduler.pool, lower)
 
     def wall(self, t: float) -> float:
         return t + self._wall_offset
@@ -186,8 +181,7 @@ class Ledger:
         if t is None:
             t = self._traj[key] = _Trajectory(tenant_digest(key[0]))
             if tag.parent_id is not None:
-                t.parent = (key[0], tag.parent_id)
-                parent = self._traj.get(t.parent)
+                parent = self._traj.get((key[0], tag.parent_id))
                 if parent is not None:
                     parent.children.add(key)
             self._trim()
@@ -292,7 +286,7 @@ class Ledger:
         """The cache receipt of a request that asked for one (taken once)."""
         return self._receipts.pop(request_id, None)
 
-    def _held(self, request: Request, prev: PrevSequence, view: CacheView) -> dict[str, float]:
+    def _held(self, request: Request, prev: PrevSequence, view: PoolCacheView) -> dict[str, float]:
         """KV token-seconds held for this trajectory while it was paused, by tier: on the
         device each block until its tombstone (or the whole gap if still resident); in host
         and on disk the blocks there now, for the whole gap (their eviction times are not kept)."""
@@ -351,8 +345,6 @@ class Ledger:
                 t.last_complete = reason in ("stop", "length")
                 if t.last_complete:
                     self._set_prev(t, request, now)
-        else:
-            self._untracked.append(row)
         for fn in self.on_row:
             fn(row)
 
@@ -442,11 +434,6 @@ class Ledger:
                 stack.extend(s.children)
         return rows, outcomes
 
-    def knows(self, key: Key) -> bool:
-        return key in self._traj
-
 
 def _with_where(miss: Miss, where: Where) -> Miss:
-    from dataclasses import replace
-
     return replace(miss, message_index=where.message_index, role=where.role, old=where.old, new=where.new)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -117,13 +117,9 @@ class Identities:
     identity cached is an `identity` miss. Bounded, oldest first out."""
 
     capacity: int = 65_536
-    _items: OrderedDict[int, tuple[str, str]] | None = None
-
-    def __post_init__(self) -> None:
-        self._items = OrderedDict()
+    _items: OrderedDict[int, tuple[str, str]] = field(default_factory=OrderedDict)
 
     def record(self, first_block: Sequence[int], identity: tuple[str, str]) -> None:
-        assert self._items is not None
         key = hash(tuple(first_block))
         self._items[key] = identity
         self._items.move_to_end(key)
@@ -131,7 +127,6 @@ class Identities:
             self._items.popitem(last=False)
 
     def other(self, first_block: Sequence[int], identity: tuple[str, str]) -> tuple[str, str] | None:
-        assert self._items is not None
         seen = self._items.get(hash(tuple(first_block)))
         return seen if seen is not None and seen != identity else None
 

@@ -20,6 +20,11 @@ def build_state(args: argparse.Namespace):
     from agentserve.api import LLM
     from agentserve.server.app import ServerState
 
+    try:
+        ledger = ledger_options(args)  # a bad price table fails now, before the model loads
+    except PriceError as exc:
+        raise SystemExit(f"--prices: {exc}") from None
+
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=not args.no_prefix_caching,
               block_size=args.block_size, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -36,9 +41,7 @@ def build_state(args: argparse.Namespace):
     try:
         return ServerState(llm=llm, model_name=args.served_model_name or args.model,
                            tool_parser=get_parser(args.tool_parser), config=server_config(args),
-                           grammar_config=grammar_config(args), ledger_options=ledger_options(args))
-    except PriceError as exc:
-        raise SystemExit(f"--prices: {exc}") from None
+                           grammar_config=grammar_config(args), ledger_options=ledger)
     except OSError as exc:
         raise SystemExit(f"--ledger {args.ledger}: {exc}") from None
 
@@ -49,12 +52,11 @@ def ledger_options(args: argparse.Namespace):
     from agentserve.ledger.prices import load_prices
     from agentserve.server.ledger_service import LedgerOptions
 
-    load_prices(args.prices)  # a bad table fails at start, with the field named
     if args.ledger_max_mib <= 0 or args.ledger_backups < 0:
         raise SystemExit("--ledger-max-mib must be > 0 and --ledger-backups >= 0")
     return LedgerOptions(path=None if args.ledger is None else Path(args.ledger),
                          max_bytes=max(4096, int(args.ledger_max_mib * 2**20)), backups=args.ledger_backups,
-                         prices=args.prices, text_window=args.ledger_text_window)
+                         prices=load_prices(args.prices), text_window=args.ledger_text_window)
 
 
 def tier_config(args: argparse.Namespace) -> TierConfig:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +46,7 @@ class LedgerOptions:
     path: Path | None = None  # --ledger: the JSONL file (None: in memory only)
     max_bytes: int = 64 << 20
     backups: int = 5
-    prices: str | None = None  # preset or YAML (ledger/prices.py)
+    prices: PriceTable = field(default_factory=lambda: load_prices(None))  # ledger/prices.py
     text_window: bool = False  # put a window of old/new text of a divergence in the rows
 
 
@@ -54,7 +54,7 @@ class LedgerService:
     def __init__(self, ledger: Ledger, options: LedgerOptions, tokenizer: Any) -> None:
         self.ledger = ledger
         self.options = options
-        self.prices: PriceTable = load_prices(options.prices)
+        self.prices: PriceTable = options.prices
         self.tokenizer = tokenizer
         self.writer = None if options.path is None else LedgerWriter(options.path, options.max_bytes,
                                                                       options.backups)

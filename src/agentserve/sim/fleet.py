@@ -24,7 +24,7 @@ from agentserve.engine.scheduler import Scheduler
 from agentserve.kv.block_pool import BlockPool
 from agentserve.kv.hashing import ExtraKeys
 from agentserve.kv.tombstones import Tombstones
-from agentserve.ledger.ledger import Ledger, PoolCacheView, Tag
+from agentserve.ledger.ledger import Ledger, Tag
 from agentserve.ledger.rows import Row
 from agentserve.sim.cost import CostModel
 from agentserve.sim.eligible import eligible_blocks
@@ -143,10 +143,10 @@ class Fleet:
             eviction = spec.eviction(ctx) if spec.eviction else None
             residency = self.residency[i] = getattr(eviction, "residency", None)
             # the ledger's miss reasons need tombstones (receipts then count evictions too)
-            stones = Tombstones(lambda: self.now, capacity=max(4 * self.num_blocks, 1024)) if config.ledger else None
+            stones = Tombstones.for_pool(lambda: self.now, self.num_blocks) if config.ledger else None
             built = BlockPool(self.num_blocks, bs, eviction, stones)
             if residency is not None:
-                residency.attach(built)  # receipts count resident blocks (no tombstones here)
+                residency.attach(built)  # receipts count resident blocks (evictions too with the ledger)
             return built
 
         def replica(i: int) -> Replica:
@@ -162,9 +162,8 @@ class Fleet:
             if config.ledger:  # the server's ledger, on virtual time (arrival_s = simulated seconds)
                 ledger = Ledger(bs, "sim", clock=lambda: self.now, wall_clock=lambda: self.now, keep_tokens=False,
                                 block_lives=False)
-                ledger.view = PoolCacheView(built, tiers)
+                ledger.attach(scheduler, tiers)
                 ledger.on_row.append(self.ledger_rows.append)
-                scheduler.observer = ledger
             self.ledgers.append(ledger)
             return Replica(i, scheduler, cost, config.decode_runs, tiers, ledger)
 
