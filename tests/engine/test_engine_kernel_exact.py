@@ -1,11 +1,12 @@
-"""Greedy output with the C++ decode attention on equals transformers' greedy generation, for
-the whole engine: concurrent requests, chunked prefill budgets, prefix cache on and off,
-preemption, and the three architectures.
+"""Greedy output with the C++ attention kernels on (decode and prefill) equals transformers'
+greedy generation, for the whole engine: concurrent requests, chunked prefill budgets, prefix
+cache on and off, preemption, and the three architectures.
 
-The prompts are long enough that contexts span up to three of the kernel's 128-key tiles, so
-its online-softmax rescale between tiles is on the path (a context under 128 keys never
-rescales). Every test asserts the kernel actually ran and how long a context it attended; the
-module is skipped, with the builder's message, where the kernel cannot be built."""
+The prompts are long enough that contexts span up to three of the kernels' 128-key tiles, so
+their online-softmax rescale between tiles is on the path (a context under 128 keys never
+rescales). Every test asserts both kernels actually ran, how long a context they attended and,
+for prefill, that chunks over a cached prefix went through it; the module is skipped, with the
+builder's message, where the kernels cannot be built."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import random
 import pytest
 
 from agentserve.engine.request import RequestOutput, SamplingParams
+from agentserve.model.runner import SHORT_CHUNK
 from tests.model.hf_tiny import KernelSpy, cpu_kernels_or_skip, hf_greedy, run_all, tiny_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -45,10 +47,16 @@ def reference(request):
     return arch, ps, [hf_greedy(hf, p, GREEDY.max_tokens) for p in ps]
 
 
-def assert_kernel_ran(spy: KernelSpy, min_decode_rows: int) -> None:
+def assert_kernel_ran(spy: KernelSpy, min_decode_rows: int, budget: int = 64, over_cache: bool = True) -> None:
     assert spy.num_calls > 0 and spy.num_calls % NUM_LAYERS == 0  # every layer of every step
     assert spy.num_rows >= NUM_LAYERS * min_decode_rows
     assert spy.max_context > 2 * TILE  # the rescale between tiles ran
+    if budget <= SHORT_CHUNK:  # every chunk is short enough to ride the decode kernel
+        assert spy.prefill_calls == 0
+        return
+    assert spy.prefill_calls > 0 and spy.prefill_calls % NUM_LAYERS == 0
+    assert spy.max_prefill_context > 2 * TILE
+    assert (spy.prefill_over_cache > 0) == over_cache  # chunks after a cached prefix
 
 
 def decodes(ps: list[list[int]]) -> int:
@@ -72,7 +80,8 @@ def test_eight_concurrent_requests_match_hf(kernels, reference, prefix_caching, 
     engine, _ = tiny_engine(arch, num_blocks=NUM_BLOCKS, enable_prefix_caching=prefix_caching,
                             max_num_batched_tokens=budget, kernels=spy)
     assert run_all(engine, ps, GREEDY) == ref
-    assert_kernel_ran(spy, decodes(ps))
+    # every prompt fits one chunk of 2,048: only the prefix cache puts a chunk past position 0
+    assert_kernel_ran(spy, decodes(ps), budget, over_cache=prefix_caching or budget < 2048)
 
 
 def test_one_at_a_time_from_the_prefix_cache_matches_hf(kernels, reference):

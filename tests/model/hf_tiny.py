@@ -183,6 +183,10 @@ class KernelSpy:
     num_calls: int = 0
     num_rows: int = 0
     max_context: int = 0  # longest context attended: > 128 means the online softmax rescaled
+    prefill_calls: int = 0  # C++ prefill attention calls (one per chunk and layer)
+    prefill_rows: int = 0
+    prefill_over_cache: int = 0  # of them, chunks starting past position 0
+    max_prefill_context: int = 0
 
     def supports(self, head_dim: int) -> bool:
         return self.kernels.supports(head_dim)
@@ -193,3 +197,15 @@ class KernelSpy:
         self.num_rows += q.shape[0]
         self.max_context = max(self.max_context, int(lengths.max()))
         return self.kernels.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
+
+    def supports_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
+        return self.kernels.supports_prefill(dtype, head_dim)
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          context_slots: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+        self.prefill_calls += 1
+        self.prefill_rows += q.shape[0]
+        self.max_prefill_context = max(self.max_prefill_context, int(context_slots.shape[0]))
+        if start > 0:
+            self.prefill_over_cache += 1
+        return self.kernels.prefill_attention(q, k_cache, v_cache, context_slots, start, scale)

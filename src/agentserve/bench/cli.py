@@ -31,6 +31,29 @@ def _engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _attention(args: argparse.Namespace) -> int:
+    from agentserve.model.attention_bench import run_attention_bench
+    from agentserve.model.cpu_kernels import load_cpu_kernels
+    from agentserve.model.reference import set_threads
+
+    threads = set_threads(args.threads)
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.bf16_prefill:
+        print("agentserve: the bf16 prefill kernel is not built here (it needs g++ and a CPU with "
+              "AVX512-BF16); bf16 prefill uses torch's SDPA")
+        return 1
+    rows = run_attention_bench(kernels, budget_s=args.budget)
+    t = Table(title=f"prefill attention, bf16, 14 heads / 2 KV heads x 64, {threads} threads "
+                    "(best of repeats, side by side)")
+    for col in ("rows", "cached", "torch SDPA ms", "kernel ms", "kernel GFLOP/s", "speedup"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r.rows), str(r.start), f"{r.torch_ms:.2f}", f"{r.kernel_ms:.2f}",
+                  f"{r.kernel_gflops:.0f}", f"{r.speedup:.2f}x")
+    Console().print(t)
+    return 0
+
+
 def _agent(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -192,6 +215,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--json", default=None, help="also write the rows to this JSON file")
     e.set_defaults(func=_engine)
+    at = sub.add_parser("attention", help="the C++ prefill attention vs torch's SDPA, chunk by chunk")
+    at.add_argument("--budget", type=float, default=2.0, help="seconds of repeats per side and row")
+    at.add_argument("--threads", type=int, default=None)
+    at.set_defaults(func=_attention)
     a = sub.add_parser("agent", help="the agent-4x6 workload against an OpenAI-compatible server")
     a.add_argument("--target", default="http://127.0.0.1:8000")
     a.add_argument("--workload", default=str(Path(__file__).resolve().parents[3].parent / "shared" / "bench" / "agent-4x6.json"))

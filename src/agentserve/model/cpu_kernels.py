@@ -1,11 +1,16 @@
 """Optional C++ kernels for the CPU forward, compiled once per machine by torch's extension
-builder (g++ and ninja; ~30 s the first time, cached under ~/.cache/torch_extensions).
+builder (g++ and ninja; ~40 s the first time, cached under ~/.cache/torch_extensions).
 
-Why a kernel: a decode step's attention over the paged pool, done with torch ops, gathers
-every context into a new tensor and then calls SDPA, per layer. `csrc/decode_attention.cpp`
-reads the K/V rows in place by slot. Anything that stops the build (no compiler, a build
-error) leaves the torch path in use; the two are tested against each other and against an
-fp64 reference. `LLM(cpu_kernels=False)` / `agentserve serve --no-cpu-kernels` turn it off.
+Why kernels: attention over the paged pool done with torch ops gathers every context into a
+new tensor and then calls SDPA, per layer, with a dense additive mask for a chunk over a cached
+prefix. Both kernels read the K/V rows in place by slot:
+- `csrc/decode_attention.cpp`: one query token per sequence;
+- `csrc/prefill_attention.cpp`: a chunk of query rows, causal over its context, with an
+  AVX512-BF16 inner kernel for bf16 where the compiler targets it (torch's SDPA reached ~100
+  GFLOP/s here on a 2,048-row chunk over a 16k context; the bf16 matmul ceiling is ~410).
+Anything that stops the build (no compiler, a build error) leaves the torch path in use; the
+kernels are tested against the torch path and against an fp64 reference.
+`LLM(cpu_kernels=False)` / `agentserve serve --no-cpu-kernels` turn them off.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp")  # one module
 HEAD_DIMS = (16, 32, 64, 128)  # compiled in; other head sizes use the torch path
 # -fopenmp at compile time only: at::parallel_for's pragmas then bind, when the module loads,
 # to the OpenMP runtime torch already loaded (one thread pool, not two).
@@ -32,6 +38,7 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 @dataclass(frozen=True, slots=True)
 class CpuKernels:
     module: Any
+    bf16_prefill: bool  # the AVX512-BF16 prefill kernel was compiled (else SDPA is faster for bf16)
 
     def supports(self, head_dim: int) -> bool:
         return head_dim in HEAD_DIMS
@@ -40,6 +47,16 @@ class CpuKernels:
                          slots: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [B, heads, dim]; caches: [slots, kv_heads, dim]; slots: [B, L]; lengths: [B]."""
         return self.module.decode_attention(q.contiguous(), k_cache, v_cache, slots, lengths, scale)
+
+    def supports_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """fp32 always (exact, for tests and fp32 serving); bf16 where the vector kernel exists."""
+        return head_dim in HEAD_DIMS and (dtype == torch.float32 or (dtype == torch.bfloat16 and self.bf16_prefill))
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          context_slots: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+        """q: [rows, heads, dim] at positions start .. start + rows - 1; context_slots:
+        [start + rows] the slots of positions 0 .. start + rows - 1 (the chunk's own included)."""
+        return self.module.prefill_attention(q.contiguous(), k_cache, v_cache, context_slots, start, scale)
 
 
 def _cpu_tag() -> bytes:
@@ -63,12 +80,12 @@ def path_with_ninja(path: str) -> str:
     return os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
 
 
-def _stable_copy(name: str, source: bytes) -> Path:
+def _stable_copy(name: str, filename: str, source: bytes) -> Path:
     """The source at a path named by its content: torch's build file records the source's
     path, so building from each checkout's own copy rebuilt the cached module in turn."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    path = Path(_get_build_directory(name, verbose=False)) / "src" / SOURCE.name
+    path = Path(_get_build_directory(name, verbose=False)) / "src" / filename
     if not path.is_file() or path.read_bytes() != source:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -85,12 +102,14 @@ def load_cpu_kernels() -> CpuKernels | None:
         # a process-wide change, made only here: torch's builder has no other way to find ninja
         os.environ["PATH"] = path_with_ninja(os.environ.get("PATH", ""))
 
-        source = SOURCE.read_bytes()
-        key = source + _cpu_tag() + torch.__version__.encode() + " ".join(CFLAGS).encode()
+        sources = {f: (CSRC / f).read_bytes() for f in SOURCES}
+        key = b"".join(f.encode() + s for f, s in sources.items())
+        key += _cpu_tag() + torch.__version__.encode() + " ".join(CFLAGS).encode()
         name = f"agentserve_cpu_{hashlib.sha256(key).hexdigest()[:12]}"
-        module = load(name=name, sources=[str(_stable_copy(name, source))], extra_cflags=CFLAGS,
+        paths = [str(_stable_copy(name, f, s)) for f, s in sources.items()]
+        module = load(name=name, sources=paths, extra_cflags=CFLAGS,
                       verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
-        log.warning("C++ decode attention unavailable (%s: %s); using torch's SDPA", type(exc).__name__, exc)
+        log.warning("C++ attention kernels unavailable (%s: %s); using torch's SDPA", type(exc).__name__, exc)
         return None
-    return CpuKernels(module)
+    return CpuKernels(module, bool(module.has_bf16_micro_kernel()))

@@ -57,6 +57,8 @@ class ModelRunner:
     def kernel_options(self) -> str:
         """What else in the forward changes the KV bits (linear packing is checked bit-exact)."""
         kernels = "cpp-decode" if self.model.kernels is not None else "sdpa"
+        if self.model.prefill_reads_in_place(self.kv.k[0].dtype, self.device):
+            kernels += "+cpp-prefill"  # its rounding differs from SDPA's, so later layers' KV does
         return f"attention={kernels};torch={torch.__version__};device={self.device.type}"
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:

@@ -133,7 +133,3 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   }
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
-}
