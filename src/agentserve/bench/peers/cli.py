@@ -139,6 +139,10 @@ def _report(args: argparse.Namespace, s: Settings, engines: list[str], names: li
     rows = read_rows(results)
     names = [n for n in names if any(r.workload == n for r in rows)]
     text = table(rows, names, engines)
+    text += "".join(f"- {n}\n" for n in s.notes)
+    for g in s.groups:
+        text += (f"- group {g.name} ({', '.join(g.workloads)}): KV budget {g.kv_tokens} tokens = "
+                 f"{s.kv_bytes(g.kv_tokens) / (1 << 20):.0f} MiB for every engine\n")
     if installed:
         workloads = {n: catalog.build(n, s, catalog.Inputs.under(Path(args.shared)), args.quick) for n in names}
         text += "\n" + _meta(args, s, installed, engines, workloads) + "\n"

@@ -28,7 +28,8 @@ LLAMA_SDIST = "llama-cpp-python==0.3.36"
 LLAMA_CMAKE = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_USE_PREBUILT_UI=OFF",
                "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF")
-CONVERT_PINS = ("torch==2.13.0", "numpy<3", "sentencepiece==0.2.3", "safetensors==0.8.0", "PyYAML==6.0.4")
+CONVERT_PINS = ("torch==2.13.0", "numpy<3", "sentencepiece==0.2.3", "safetensors==0.8.0", "PyYAML==6.0.4",
+                "transformers==5.23.0")
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 NICE = ("nice", "-n", "19")
 

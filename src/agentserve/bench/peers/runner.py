@@ -146,7 +146,11 @@ def append(path: Path, row: Row) -> None:
         f.write(json.dumps(asdict(row)) + "\n")
 
 
-def run_cell(cell: Cell, ctx: Context, say: Callable[[str], None] = print) -> list[Row]:
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def run_cell(cell: Cell, ctx: Context, say: Callable[[str], None] = _say) -> list[Row]:
     inst = ctx.installed[cell.engine]
     if not inst.ok:
         rows = [Row(w, cell.engine, cell.repeat, "failed", error=f"not installed: {inst.error}",

@@ -58,6 +58,7 @@ class Settings:
     workloads: dict[str, dict[str, object]]
     engines: dict[str, EngineSettings]
     calibration: dict[str, object] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # printed under the table
     source: str = ""  # the YAML text, kept with the results
 
     def group_of(self, workload: str) -> Group:
@@ -86,4 +87,4 @@ def load_settings(path: Path = DEFAULT_SETTINGS) -> Settings:
                     repeats=int(doc["repeats"]), idle_busy_below=float(doc["idle"]["busy_below"]),
                     idle_wait_s=float(doc["idle"]["wait_s"]), start_timeout_s=float(doc["start_timeout_s"]),
                     groups=groups, workloads=doc["workloads"], engines=engines,
-                    calibration=doc.get("calibration") or {}, source=text)
+                    calibration=doc.get("calibration") or {}, notes=tuple(doc.get("notes") or ()), source=text)
