@@ -11,12 +11,14 @@ from agentserve.bench.peers.settings import EngineSettings
 def test_each_dialect_reads_ids_and_reuse_from_its_own_fields() -> None:
     llama = Dialect("llama.cpp", "m")
     assert llama.path == "/completion" and llama.body([1, 2], 3)["n_predict"] == 3
-    assert llama.parse({"tokens": [7], "stop": False}) == ([7], None)
-    assert llama.parse({"tokens": [], "stop": True, "timings": {"cache_n": 96, "prompt_n": 4}}) == ([], 96)
+    assert llama.parse({"tokens": [7], "stop": False}) == ([7], None, None)
+    final = {"tokens": [], "stop": True, "tokens_predicted": 3, "timings": {"cache_n": 96, "prompt_n": 4}}
+    assert llama.parse(final) == ([], 96, 3)
     oai = Dialect("openai", "m")
     assert oai.body([1], 2)["return_token_ids"] and oai.body([1], 2)["min_tokens"] == 2
-    assert oai.parse({"choices": [{"token_ids": [5, 6]}]}) == ([5, 6], None)
-    assert oai.parse({"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 32}}}) == ([], 32)
+    assert oai.parse({"choices": [{"token_ids": [5, 6]}]}) == ([5, 6], None, None)
+    usage = {"completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
+    assert oai.parse({"choices": [], "usage": usage}) == ([], 32, 2)
 
 
 def test_a_variant_replaces_flags_env_and_preload() -> None:

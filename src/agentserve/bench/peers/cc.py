@@ -100,6 +100,7 @@ def cc_workload(trace_dir: Path, cfg: CCScale, level: int, parity: str = "even",
         raise ValueError(f"only {len(candidates)} sessions in {trace_dir} fit the CC rule; level {level} needs more")
     scripts = tuple(Script(f"{Path(s.session_id).name}@{start}", scale_window(s, start, cfg, tokens))
                     for s, start in candidates[:level])
+    final = sum(sum(len(st.append) for st in sc.steps) + sum(st.max_tokens for st in sc.steps[:-1]) for sc in scripts)
     return Workload(f"cc-c{level}", "cc", scripts,
                     f"{level} Claude Code sessions x {cfg.turns} turns, tokens x{cfg.token_scale:g}, "
-                    f"think x{cfg.time_scale:g} (<= {cfg.max_think_s:g} s)")
+                    f"think x{cfg.time_scale:g} (<= {cfg.max_think_s:g} s); final contexts {final} tokens in all")

@@ -6,7 +6,11 @@ generated ids read back as ids):
   `min_tokens`, `stream_options.include_usage`; reuse from `usage.prompt_tokens_details.cached_tokens`.
 - `llama.cpp`: its OpenAI route returns no token ids, so its native POST /completion with the same
   prompt ids, `n_predict`, `ignore_eos`, `cache_prompt`, `return_tokens`; reuse from the final
-  chunk's `timings.cache_n` (prompt tokens taken from its cache), fresh from `timings.prompt_n`.
+  chunk's `timings.cache_n` (prompt tokens taken from its cache). Its stream withholds the chunk
+  of a token that ends inside a UTF-8 character and never sends that id (the final chunk carries
+  no ids when streaming); when ids are missing and the next turn needs them, they are read from a
+  second, non-streamed request of the same prompt (fully cached, so it only decodes), sent at once;
+  the turn's figures are the streamed request's, and the record counts the recovery.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Completion:
     ttft_s: float | None
     latency_s: float
     cached_tokens: int | None  # as the server reports it
+    num_generated: int  # as the server reports it, else the ids received
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,7 @@ class TurnRecord:
     ttft_s: float | None
     latency_s: float
     error: str | None = None
+    recovered: bool = False  # the ids came from a second, non-streamed request (llama.cpp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,23 +60,25 @@ class Dialect:
     def path(self) -> str:
         return "/completion" if self.name == "llama.cpp" else "/v1/completions"
 
-    def body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    def body(self, prompt: list[int], max_tokens: int, stream: bool = True) -> dict[str, Any]:
         if self.name == "llama.cpp":
             return {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                    "cache_prompt": True, "return_tokens": True, "stream": True, "seed": 0}
+                    "cache_prompt": True, "return_tokens": True, "stream": stream, "seed": 0}
         return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
                 "min_tokens": max_tokens, "return_token_ids": True}
 
-    def parse(self, event: dict[str, Any]) -> tuple[list[int], int | None]:
-        """(new generated ids, cached prompt tokens if this chunk reports them)."""
+    def parse(self, event: dict[str, Any]) -> tuple[list[int], int | None, int | None]:
+        """(new generated ids, cached prompt tokens, generated count) — the last two where reported."""
         if self.name == "llama.cpp":
+            if not event.get("stop"):
+                return list(event.get("tokens") or []), None, None
             timings = event.get("timings") or {}
-            return list(event.get("tokens") or []), timings.get("cache_n") if event.get("stop") else None
+            return list(event.get("tokens") or []), timings.get("cache_n"), event.get("tokens_predicted")
         ids = [i for ch in event.get("choices", []) for i in (ch.get("token_ids") or [])]
         usage = event.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
-        return ids, details.get("cached_tokens") if usage else None
+        return ids, details.get("cached_tokens") if usage else None, usage.get("completion_tokens")
 
 
 async def complete(client: httpx.AsyncClient, dialect: Dialect, prompt: list[int], max_tokens: int,
@@ -79,18 +87,29 @@ async def complete(client: httpx.AsyncClient, dialect: Dialect, prompt: list[int
     ttft: float | None = None
     ids: list[int] = []
     cached: int | None = None
+    generated: int | None = None
     async with client.stream("POST", dialect.path, json=dialect.body(prompt, max_tokens)) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            new, c = dialect.parse(json.loads(line[6:]))
+            new, c, n = dialect.parse(json.loads(line[6:]))
             if new and ttft is None:
                 ttft = clock() - start
             ids.extend(new)
             cached = c if c is not None else cached
-    return Completion(tuple(ids), ttft, clock() - start, cached)
+            generated = n if n is not None else generated
+    return Completion(tuple(ids), ttft, clock() - start, cached, len(ids) if generated is None else generated)
+
+
+async def generated_ids(client: httpx.AsyncClient, dialect: Dialect, prompt: list[int], max_tokens: int
+                        ) -> tuple[int, ...]:
+    """The ids of a non-streamed request (llama.cpp's complete `tokens`)."""
+    r = await client.post(dialect.path, json=dialect.body(prompt, max_tokens, stream=False))
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+    return tuple(r.json().get("tokens") or [])
 
 
 async def run_script(client: httpx.AsyncClient, dialect: Dialect, script: Script, t0: float, clock: Clock,
@@ -110,12 +129,16 @@ async def run_script(client: httpx.AsyncClient, dialect: Dialect, script: Script
             records.append(TurnRecord(script.name, k + 1, sent, len(context), None, 0, None, clock() - t0 - sent,
                                       f"{type(e).__name__}: {e}"[:300]))
             break
-        error = None if len(c.ids) == step.max_tokens else f"got {len(c.ids)} ids, expected {step.max_tokens}"
-        records.append(TurnRecord(script.name, k + 1, sent, len(context), c.cached_tokens, len(c.ids), c.ttft_s,
-                                  c.latency_s, error))
+        out, recovered = c.ids, False
+        needed = k + 1 < len(script.steps) and script.steps[k + 1].keep_output
+        if needed and len(out) < c.num_generated and dialect.name == "llama.cpp":
+            out, recovered = await generated_ids(client, dialect, context, step.max_tokens), True
+        error = None if c.num_generated == step.max_tokens and (len(out) == step.max_tokens or not needed) else (
+            f"got {len(out)} ids ({c.num_generated} reported), expected {step.max_tokens}")
+        records.append(TurnRecord(script.name, k + 1, sent, len(context), c.cached_tokens, c.num_generated,
+                                  c.ttft_s, c.latency_s, error, recovered))
         if error:
             break
-        out = c.ids
     return records
 
 

@@ -74,6 +74,7 @@ def run_figures(kind: str, wall_s: float, records: Sequence[TurnRecord]) -> dict
         "errors": float(len(records) - len(ok)),
         "unreported": float(sum(1 for r in ok if r.cached_tokens is None)),  # no reuse field came back
         "turns": float(len(ok)),
+        "recovered": float(sum(1 for r in ok if r.recovered)),  # llama.cpp turns whose ids needed a re-read
     }
     if kind == "long" and len(ok) == 2:
         out["prefill_tok_s"] = ok[0].prompt_tokens / ok[0].latency_s
