@@ -67,7 +67,7 @@ def plan(settings: Settings, engines: Sequence[str], workloads: Sequence[str], r
     cells = []
     for g in settings.groups:
         for r in range(repeats):
-            wl = tuple(w for w in g.workloads if w in workloads and r < repeats_of(settings, w, repeats))
+            wl = tuple(w for w in (*g.workloads, *g.extra) if w in workloads and r < repeats_of(settings, w, repeats))
             if wl:
                 cells.extend(Cell(g.name, r, e, wl) for e in engines)
     return cells

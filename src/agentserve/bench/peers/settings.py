@@ -44,6 +44,10 @@ class Group:
     kv_tokens: int
     max_model_len: int
     workloads: tuple[str, ...]
+    extra: tuple[str, ...] = ()  # built and run only when asked for by name
+
+    def runs(self, workload: str) -> bool:
+        return workload in self.workloads or workload in self.extra
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +67,7 @@ class Settings:
 
     def group_of(self, workload: str) -> Group:
         for g in self.groups:
-            if workload in g.workloads:
+            if g.runs(workload):
                 return g
         raise KeyError(f"no group runs workload {workload!r}")
 
@@ -81,7 +85,8 @@ def load_settings(path: Path = DEFAULT_SETTINGS) -> Settings:
         engines[name] = EngineSettings(name, tuple(str(a) for a in e.get("args", ())),
                                        tuple(sorted((k, str(v)) for k, v in (e.get("env") or {}).items())),
                                        tuple(e.get("preload", ())))
-    groups = tuple(Group(n, int(g["kv_tokens"]), int(g["max_model_len"]), tuple(g["workloads"]))
+    groups = tuple(Group(n, int(g["kv_tokens"]), int(g["max_model_len"]), tuple(g["workloads"]),
+                         tuple(g.get("extra") or ()))
                    for n, g in doc["groups"].items())
     return Settings(model=doc["model"], kv_bytes_per_token=int(doc["kv_bytes_per_token"]),
                     repeats=int(doc["repeats"]), idle_busy_below=float(doc["idle"]["busy_below"]),
