@@ -25,6 +25,7 @@ def test_a_variant_replaces_flags_env_and_preload() -> None:
     e = EngineSettings("vllm", ("--a", "1", "--b", "2"), (("X", "1"),), ("tcmalloc", "iomp5"))
     v = e.with_variant({"args": {"--b": "3", "--c": "4", "--a": None}, "env": {"X": "auto"}, "preload": ["tcmalloc"]})
     assert v.args == ("--b", "3", "--c", "4") and v.env == (("X", "auto"),) and v.preload == ("tcmalloc",)
+    assert e.with_variant({"args": {"--eager": True}}).args == ("--a", "1", "--b", "2", "--eager")
 
 
 def test_table_marks_a_winner_only_when_the_interval_excludes_parity() -> None:

@@ -25,7 +25,9 @@ class EngineSettings:
     def with_variant(self, variant: dict[str, object]) -> EngineSettings:
         args = list(self.args)
         for flag, value in dict(variant.get("args") or {}).items():  # type: ignore[call-overload]
-            if flag in args:
+            if value is True:  # a flag without a value
+                args += [] if flag in args else [flag]
+            elif flag in args:
                 i = args.index(flag)
                 if value is None:
                     del args[i: i + 2]
