@@ -209,7 +209,10 @@ async def _workloads(cell: Cell, ctx: Context, dialect: Dialect, url: str, busy:
 def estimate_s(settings: Settings, cells: Sequence[Cell], quick: bool) -> float:
     """From settings.yaml `estimate_s` (measured here): server starts plus each workload's run."""
     est = dict(settings.workloads.get("estimate_s") or {})  # type: ignore[call-overload]
-    starts = dict(est.get("start", {}))
     scale = 0.2 if quick else 1.0
-    return sum(float(starts.get(c.engine, 30)) + scale * sum(float(est.get(w, 60)) for w in c.workloads)
-               for c in cells)
+
+    def of(key: str, engine: str, default: float) -> float:
+        v = est.get(key, default)  # a number, or one per engine
+        return float(v.get(engine, default) if isinstance(v, dict) else v)
+
+    return sum(of("start", c.engine, 30) + scale * sum(of(w, c.engine, 60) for w in c.workloads) for c in cells)
