@@ -44,7 +44,7 @@ class Row:
     workload: str
     engine: str
     repeat: int
-    status: str  # ok | failed
+    status: str  # ok (measured, perhaps with request errors) | failed (the server did not run it)
     figures: dict[str, float] = field(default_factory=dict)
     idle_busy: float | None = None  # CPU busy fraction measured before the server started
     start_s: float | None = None  # server start to healthy
@@ -194,7 +194,8 @@ async def _workloads(cell: Cell, ctx: Context, dialect: Dialect, url: str, busy:
             wall, recs = await run_workload(client, dialect, w, time.perf_counter)
             figs = run_figures(w.kind, wall, recs)
             errors = [r.error for r in recs if r.error]
-            row = Row(name, cell.engine, cell.repeat, "ok" if not errors else "failed", figs, busy, start_s,
+            # a row whose requests failed is still measured: its errors are a figure of the row
+            row = Row(name, cell.engine, cell.repeat, "ok", figs, busy, start_s,
                       w.digest(), "; ".join(errors[:3]), records=[asdict(r) for r in recs], variant=cell.variant)
             append(ctx.results, row)
             rows.append(row)
