@@ -32,8 +32,9 @@ def _fmt(values: Sequence[float]) -> str:
 
 
 def by_cell(rows: Sequence[Row]) -> dict[tuple[str, str], list[Row]]:
+    latest = {r.key: r for r in rows}  # a row run again (--resume after a failure) replaces the old one
     out: dict[tuple[str, str], list[Row]] = {}
-    for r in rows:
+    for r in latest.values():
         out.setdefault((r.workload, r.engine), []).append(r)
     for v in out.values():
         v.sort(key=lambda r: r.repeat)
