@@ -85,6 +85,16 @@ def table(rows: Sequence[Row], workloads: Sequence[str], engines: Sequence[str],
         for r in rs:
             if r.status != "ok":
                 lines += [f"- {w}, {e}, repeat {r.repeat}: {r.error}", "", "```", r.log_tail[-2500:], "```", ""]
+    busy = [r.idle_busy for r in rows if r.idle_busy is not None]
+    if busy:
+        lines.append(f"- CPU busy over the second before each server start (niced work counts as idle): "
+                     f"median {sorted(busy)[len(busy) // 2]:.0%}, at most {max(busy):.0%}")
+    starts = {}
+    for r in rows:
+        if r.start_s is not None:
+            starts.setdefault(r.engine, []).append(r.start_s)
+    if starts:
+        lines.append("- server start to healthy, s: " + ", ".join(f"{e} {min(v):.0f}–{max(v):.0f}" for e, v in starts.items()))
     for k, v in (notes or {}).items():
         lines.append(f"- {k}: {v}")
     return "\n".join(lines) + "\n"
