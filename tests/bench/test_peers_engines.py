@@ -1,0 +1,70 @@
+"""The harness never leaves a server behind, and a server that fails is reported with its log."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agentserve.bench.peers.engines import EngineFailed, Launch, free_port, port_in_use, serve
+
+FAKE = Path(__file__).with_name("fake_peer.py")
+
+
+def _launch(mode: str, pidfile: Path) -> Launch:
+    port = free_port()
+    return Launch("fake", (sys.executable, str(FAKE), mode, str(port), str(pidfile)), (), port, "openai")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def _gone(pidfile: Path) -> None:
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "the server's child outlived it"
+
+
+@pytest.mark.parametrize("mode", ["ok", "ignore-term"])
+def test_a_healthy_server_and_its_children_are_stopped(tmp_path: Path, mode: str) -> None:
+    pidfile = tmp_path / "child.pid"
+    launch = _launch(mode, pidfile)
+    with serve(launch, tmp_path / "log", 20, stop_grace_s=1) as running:
+        assert port_in_use(launch.port) and running.start_s >= 0
+    assert not port_in_use(launch.port)
+    _gone(pidfile)
+
+
+def test_an_exception_inside_stops_the_server(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    launch = _launch("ok", pidfile)
+    with pytest.raises(KeyboardInterrupt), serve(launch, tmp_path / "log", 20):
+        raise KeyboardInterrupt
+    assert not port_in_use(launch.port)
+    _gone(pidfile)
+
+
+def test_a_server_that_exits_is_reported_with_its_log_tail(tmp_path: Path) -> None:
+    with pytest.raises(EngineFailed) as e, serve(_launch("exit", tmp_path / "p"), tmp_path / "log", 20):
+        pass
+    assert "exited with status 3" in str(e.value)
+    assert "cannot start (as asked)" in e.value.log_tail
+
+
+def test_a_server_that_hangs_times_out_and_is_killed(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    with pytest.raises(EngineFailed) as e, serve(_launch("hang", pidfile), tmp_path / "log", 2):
+        pass
+    assert "did not answer /health" in str(e.value) and "fake peer listening" in e.value.log_tail
+    _gone(pidfile)
