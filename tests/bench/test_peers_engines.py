@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentserve.bench.peers.engines import EngineFailed, Launch, free_port, port_in_use, serve
+from agentserve.bench.peers.engines import EngineFailed, Launch, free_port, port_in_use, serve, server_env
 
 FAKE = Path(__file__).with_name("fake_peer.py")
 
@@ -68,3 +68,13 @@ def test_a_server_that_hangs_times_out_and_is_killed(tmp_path: Path) -> None:
         pass
     assert "did not answer /health" in str(e.value) and "fake peer listening" in e.value.log_tail
     _gone(pidfile)
+
+
+def test_the_harness_thread_settings_do_not_reach_a_server() -> None:
+    """make bench-peers runs the harness with OMP_WAIT_POLICY=PASSIVE; a server gets its own
+    default (agentserve's serve spins), or what settings.yaml names for it."""
+    inherited = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "PATH": "/bin"}
+    plain = Launch("agentserve", ("serve",), (), 1, "openai")
+    assert server_env(inherited, plain) == {"PATH": "/bin"}
+    named = Launch("vllm", ("serve",), (("OMP_WAIT_POLICY", "ACTIVE"),), 1, "openai")
+    assert server_env(inherited, named) == {"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE"}

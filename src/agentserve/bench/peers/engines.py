@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +56,16 @@ class Launch:
         return (env + " " if env else "") + " ".join(self.argv)
 
 
+# The harness's own thread settings (make bench-peers runs it under OMP_WAIT_POLICY=PASSIVE) are
+# not a server's: each engine runs with its project's default unless settings.yaml sets one (the
+# first full run leaked PASSIVE into every server; agentserve's serve default spins).
+HARNESS_ONLY = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS")
+
+
+def server_env(inherited: Mapping[str, str], launch: Launch) -> dict[str, str]:
+    return {k: v for k, v in inherited.items() if k not in HARNESS_ONLY} | dict(launch.env)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,7 +84,7 @@ def command(e: EngineSettings, inst: Installed, settings: Settings, group: Group
         argv = (sys.executable, "-m", "agentserve.cli", "serve", "--model", name, "--host", "127.0.0.1",
                 "--port", str(port), "--kv-cache-memory-gib", f"{kv_bytes / GIB:.6f}",
                 "--max-model-len", str(group.max_model_len), *e.args)
-        return Launch(e.name, argv, (("OMP_WAIT_POLICY", "PASSIVE"), *e.env), port, "openai")
+        return Launch(e.name, argv, e.env, port, "openai")
     if e.name == "vllm":
         preload = ":".join(inst.preload[p] for p in e.preload if p in inst.preload)
         argv = (inst.python, "-m", "vllm.entrypoints.openai.api_server", "--model", inst.model_dir,
@@ -147,7 +157,7 @@ def serve(launch: Launch, log: Path, start_timeout_s: float, stop_grace_s: float
     if port_in_use(launch.port):
         raise EngineFailed(f"port {launch.port} is taken before {launch.engine} starts")
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = os.environ | dict(launch.env)
+    env = server_env(os.environ, launch)
     with log.open("w") as out:
         out.write(f"$ {launch.shell()}\n")
         out.flush()
