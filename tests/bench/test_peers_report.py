@@ -37,3 +37,14 @@ def test_table_marks_a_winner_only_when_the_interval_excludes_parity() -> None:
     assert "**1.05 ± " in line_a  # a wins JCT p50 ...
     assert "**" not in line_a.split("|")[3]  # ... but not turns/min (paired ratio interval holds 1)
     assert "| w | c | failed: not installed: cmake failed |" in text and "error: no cc" in text
+
+
+def test_an_engine_whose_requests_failed_wins_nothing() -> None:
+    """llama.cpp's cc-c8 at -np 8: every request fails at once, so its (empty) sessions end first;
+    a row with request errors neither wins a metric nor blocks another engine's win."""
+    rows = [Row("w", "a", k, "ok", {"jct_p50_s": j, "errors": 0.0}) for k, j in enumerate([3.0, 3.1, 3.05])]
+    rows += [Row("w", "b", k, "ok", {"jct_p50_s": j, "errors": 0.0}) for k, j in enumerate([4.0, 4.2, 4.1])]
+    rows += [Row("w", "c", k, "ok", {"jct_p50_s": 0.5, "errors": 8.0}) for k in range(3)]
+    text = table(rows, ["w"], ["a", "b", "c"])
+    assert "**" in next(ln for ln in text.splitlines() if ln.startswith("| w | a |"))
+    assert "**" not in next(ln for ln in text.splitlines() if ln.startswith("| w | c |"))

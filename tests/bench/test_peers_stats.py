@@ -36,7 +36,7 @@ def test_run_figures() -> None:
     f = run_figures("agent", 6.0, recs)
     assert f["turns_per_min"] == 30.0 and f["errors"] == 1
     assert f["reused_tokens"] == 160 and f["fresh_tokens"] == 350 - 160
-    assert f["jct_p50_s"] == pytest.approx((4.0 + 4.1) / 2)
+    assert f["jct_p50_s"] == pytest.approx(4.0)  # s1's second turn failed: s1 never completed
     long = run_figures("long", 9.0, [TurnRecord("long", 1, 0, 2048, 0, 1, 8.0, 8.0),
                                      TurnRecord("long", 2, 8, 2048, 2032, 16, 0.1, 1.5)])
     assert long["prefill_tok_s"] == 256.0 and long["rerun_s"] == 1.5

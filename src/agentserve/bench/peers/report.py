@@ -48,9 +48,10 @@ def _values(rows: Sequence[Row], metric: str) -> list[float]:
 def _paired(cells: dict[tuple[str, str], list[Row]], workload: str, engines: Sequence[str], metric: str
             ) -> dict[str, list[float]]:
     """Each engine's values over the repeats that every engine completed (pairs for the ratios)."""
-    ok = {e: {r.repeat: r.figures.get(metric, math.nan) for r in cells.get((workload, e), []) if r.status == "ok"}
+    ok = {e: {r.repeat: r.figures.get(metric, math.nan) for r in cells.get((workload, e), [])
+              if r.status == "ok" and not r.figures.get("errors")}
           for e in engines}
-    ok = {e: v for e, v in ok.items() if v}  # a failed peer neither wins nor blocks a win
+    ok = {e: v for e, v in ok.items() if v}  # a failed peer, or one whose requests failed, neither wins nor blocks a win
     common = sorted(set.intersection(*(set(v) for v in ok.values()))) if ok else []
     return {e: [ok[e][k] for k in common] for e in ok}
 

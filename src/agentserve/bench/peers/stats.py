@@ -62,7 +62,8 @@ def run_figures(kind: str, wall_s: float, records: Sequence[TurnRecord]) -> dict
     first: dict[str, float] = {}
     for r in records:
         first[r.script] = min(first.get(r.script, math.inf), r.sent_s)
-    jcts = [jct[s] - first[s] for s in jct]
+    failed = {r.script for r in records if r.error is not None}
+    jcts = [jct[s] - first[s] for s in jct if s not in failed]  # a session with a failed turn never completed
     reused = sum(r.cached_tokens or 0 for r in ok)
     prompt = sum(r.prompt_tokens for r in ok)
     out = {
