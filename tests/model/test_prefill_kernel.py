@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentserve.model import cpu_kernels
 from agentserve.model.runner import ModelRunner
 from agentserve.model.transformer import ChunkLayout, Transformer
-from tests.model.hf_tiny import model_config_of, tiny_hf_model, weights_of
+from tests.model.hf_tiny import cpu_kernels_or_skip, model_config_of, tiny_hf_model, weights_of
 
 # (rows, start): a chunk of `rows` query tokens after `start` cached ones
 CHUNKS = [(1, 0), (3, 0), (64, 0), (130, 0), (1, 300), (5, 123), (65, 63), (100, 128), (17, 413)]
@@ -21,10 +20,7 @@ CHUNKS = [(1, 0), (3, 0), (64, 0), (130, 0), (1, 300), (5, 123), (65, 63), (100,
 
 @pytest.fixture(scope="module")
 def kernels():
-    k = cpu_kernels.load_cpu_kernels()
-    if k is None:
-        pytest.skip("the C++ kernels could not be built here (see the logged reason); torch path only")
-    return k
+    return cpu_kernels_or_skip()
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
