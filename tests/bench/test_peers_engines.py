@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agentserve.bench.peers.engines import EngineFailed, Launch, free_port, port_in_use, serve, server_env
+from agentserve.bench.peers.engines import EngineFailed, Launch, port_in_use, serve, server_env
+from agentserve.bench.served import free_port
 
 FAKE = Path(__file__).with_name("fake_peer.py")
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from agentserve.bench.peers import runner
-from agentserve.bench.peers.engines import Launch, free_port
+from agentserve.bench.peers.engines import Launch
+from agentserve.bench.served import free_port
 from agentserve.bench.peers.install import Installed
 from agentserve.bench.peers.runner import Cell, Context, Row, append, missing, plan, read_rows, run_cell, wait_idle
 from agentserve.bench.peers.settings import load_settings

@@ -66,12 +66,6 @@ def server_env(inherited: Mapping[str, str], launch: Launch) -> dict[str, str]:
     return {k: v for k, v in inherited.items() if k not in HARNESS_ONLY} | dict(launch.env)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def port_in_use(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0

@@ -23,7 +23,8 @@ from pathlib import Path
 import httpx
 
 from agentserve.bench.peers.client import Dialect, run_workload, warm_up
-from agentserve.bench.peers.engines import EngineFailed, command, free_port, serve
+from agentserve.bench.peers.engines import EngineFailed, command, serve
+from agentserve.bench.served import free_port
 from agentserve.bench.peers.install import Installed
 from agentserve.bench.peers.settings import Settings
 from agentserve.bench.peers.stats import run_figures
