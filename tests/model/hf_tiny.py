@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -12,6 +13,9 @@ import transformers
 
 from agentserve.model.config import ModelConfig
 from agentserve.model.cpu_kernels import CpuKernels, load_cpu_kernels
+
+if TYPE_CHECKING:
+    from agentserve.model.transformer import Transformer
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -187,6 +191,21 @@ class KernelSpy:
     prefill_rows: int = 0
     prefill_over_cache: int = 0  # of them, chunks starting past position 0
     max_prefill_context: int = 0
+    small_linear_calls: int = 0  # few-row bf16 matmuls through csrc/small_linear.cpp
+
+    def install(self, model: Transformer) -> None:
+        """Stand in for the kernels everywhere the model holds them (its linears too)."""
+        model.kernels = self  # type: ignore[assignment]
+        for lin in model.linears():
+            if lin.small is not None:
+                lin.small = self  # type: ignore[assignment]
+
+    def small_linear_rows(self, k: int) -> int:
+        return self.kernels.small_linear_rows(k)
+
+    def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        self.small_linear_calls += 1
+        return self.kernels.small_linear(x, weight, bias)
 
     def supports(self, head_dim: int) -> bool:
         return self.kernels.supports(head_dim)

@@ -132,7 +132,8 @@ def runs(llm, hf) -> tuple[list[Run], str]:
     """The runs, and which decode attention ours used."""
     kernels = llm.runner.model.kernels
     spy = None if kernels is None else KernelSpy(kernels)
-    llm.runner.model.kernels = spy
+    if spy is not None:
+        spy.install(llm.runner.model)
     tap = LogitsTap(llm.engine)
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, greedy) + llm.generate([FROM_CACHE, LONG], greedy)
@@ -140,6 +141,8 @@ def runs(llm, hf) -> tuple[list[Run], str]:
     if spy is not None:  # every generated token but the first came from a decode row
         assert spy.num_rows >= llm.model_config.num_layers * len(outputs) * (NEW_TOKENS - 1)
         assert spy.max_context > 256  # LONG's decodes: the rescale between tiles ran, in bf16
+        if kernels.bf16_small_linear:  # decode steps of few rows went through the C++ matmul
+            assert spy.small_linear_calls >= 4 * llm.model_config.num_layers
     hf32, hf16 = hf
     result = []
     for o in outputs:

@@ -51,6 +51,33 @@ def test_kernel_matches_fp64_reference(kernels, dtype, tol, dim, heads, kv_heads
     assert (out.double() - reference(q, k_cache, v_cache, slots, lengths, dim**-0.5)).abs().max() < tol
 
 
+def test_bf16_decode_is_as_close_to_fp64_as_torch_sdpa(kernels):
+    """bf16 decode goes through the prefill micro kernel (probabilities rounded to bf16 for
+    PV, as torch's flash kernel does): its mean error from fp64 may not exceed SDPA's on the
+    same inputs by more than 10%."""
+    if not kernels.bf16_prefill:
+        pytest.skip("no AVX512-BF16 here: bf16 decode stays on the fp32 loop")
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, num_slots = 14, 2, 64, 4096
+    k_cache = torch.randn(num_slots, kv_heads, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_slots, kv_heads, dim, generator=gen).bfloat16()
+    lengths = torch.tensor([700, 1, 129, 300, 255])
+    slots = torch.stack([torch.randperm(num_slots, generator=gen)[:700] for _ in lengths])
+    q = (3 * torch.randn(len(lengths), heads, dim, generator=gen)).bfloat16()
+    exact = reference(q, k_cache, v_cache, slots, lengths, dim**-0.5)
+    ours = float((kernels.decode_attention(q, k_cache, v_cache, slots, lengths, dim**-0.5).double() - exact).abs().mean())
+    theirs = 0.0
+    for i, n in enumerate(lengths.tolist()):
+        keys = k_cache[slots[i, :n]].transpose(0, 1)[None]  # [1, kv_heads, n, dim]
+        values = v_cache[slots[i, :n]].transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(q[i].view(1, kv_heads, heads // kv_heads, dim), keys, values,
+                                             scale=dim**-0.5).reshape(heads, dim)
+        theirs += float((out.double() - exact[i]).abs().mean()) / len(lengths)
+    assert ours <= 1.1 * theirs, (ours, theirs)
+
+
 def test_kernel_rejects_what_it_was_not_built_for(kernels):
     q = torch.randn(1, 4, 24)  # head_dim 24 is not compiled in
     cache = torch.randn(8, 2, 24)

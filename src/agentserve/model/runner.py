@@ -56,10 +56,14 @@ class ModelRunner:
 
     def kernel_options(self) -> str:
         """What else in the forward changes the KV bits (linear packing is checked bit-exact)."""
+        dtype = self.kv.k[0].dtype
         kernels = "cpp-decode" if self.model.kernels is not None else "sdpa"
-        if self.model.prefill_reads_in_place(self.kv.k[0].dtype, self.device):
+        if self.model.prefill_reads_in_place(dtype, self.device):
             kernels += "+cpp-prefill"  # its rounding differs from SDPA's, so later layers' KV does
-        return f"attention={kernels};torch={torch.__version__};device={self.device.type}"
+            if dtype == torch.bfloat16:
+                kernels += "+bf16-decode-tiles"  # decode through the same micro kernel
+        linear = "small-rows" if self.model.uses_small_linear() else "onednn"  # the sums' order
+        return f"attention={kernels};linear={linear};torch={torch.__version__};device={self.device.type}"
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
         return self.kv.read_blocks(block_ids)

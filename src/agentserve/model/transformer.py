@@ -125,16 +125,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Linear:
     """y = x W^T + b. On CPU in bf16 the weight is pre-packed for oneDNN once (2-3x faster for
-    the few-row matmuls of decode, bit-identical results); elsewhere it is plain F.linear."""
+    the few-row matmuls of decode, bit-identical results); elsewhere it is plain F.linear.
+    With `small` (the C++ few-row kernel, csrc/small_linear.cpp) the row-major weight is kept
+    as well, and matmuls of at most `small_rows(K)` rows go to it: they are bound by memory
+    bandwidth, which it uses better than oneDNN does (1.1-2x here at 1-2 rows)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
+                 small: CpuKernels | None = None) -> None:
         self.weight, self.bias, self.packed = weight, bias, None
-        if pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+        bf16_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        self.small = small if bf16_cpu else None
+        self.small_rows = self.small.small_linear_rows(weight.shape[1]) if self.small is not None else 0
+        if pack and bf16_cpu:
             self.packed = _try_pack(weight, bias)
-            if self.packed is not None:
+            if self.packed is not None and self.small_rows == 0:
                 self.weight = None  # the packed copy replaces it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and x.shape[0] <= self.small_rows:
+            return self.small.small_linear(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -172,13 +181,13 @@ class Transformer:
         self.config = config
         self.kernels = kernels  # C++ decode attention on CPU, where it could be built
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = Linear(weights.get("lm_head.weight", self.embed), None, pack)
+        self.lm_head = Linear(weights.get("lm_head.weight", self.embed), None, pack, kernels)
         self.norm = weights["model.norm.weight"]
-        self.layers = [self._layer(weights, i, pack) for i in range(config.num_layers)]
+        self.layers = [self._layer(weights, i, pack, kernels) for i in range(config.num_layers)]
         self.scale = config.head_dim ** -0.5
 
     @staticmethod
-    def _layer(w: dict[str, torch.Tensor], i: int, pack: bool) -> Layer:
+    def _layer(w: dict[str, torch.Tensor], i: int, pack: bool, small: CpuKernels | None) -> Layer:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         qkv_w = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
@@ -186,9 +195,9 @@ class Transformer:
         if a + "q_proj.bias" in w:
             qkv_b = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
         return Layer(
-            qkv=Linear(qkv_w, qkv_b, pack), o=Linear(w[a + "o_proj.weight"], None, pack),
-            gate_up=Linear(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]), None, pack),
-            down=Linear(w[m + "down_proj.weight"], None, pack),
+            qkv=Linear(qkv_w, qkv_b, pack, small), o=Linear(w[a + "o_proj.weight"], None, pack, small),
+            gate_up=Linear(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]), None, pack, small),
+            down=Linear(w[m + "down_proj.weight"], None, pack, small),
             input_norm=w[p + "input_layernorm.weight"], post_norm=w[p + "post_attention_layernorm.weight"],
             q_norm=w.get(a + "q_norm.weight"), k_norm=w.get(a + "k_norm.weight"))
 
@@ -247,6 +256,13 @@ class Transformer:
         if decode is not None:
             out[decode.rows] = self._decode_attention(q[decode.rows], decode, k_cache, v_cache)
         return layer.o(out.view(n, -1))
+
+    def uses_small_linear(self) -> bool:
+        """Whether few-row matmuls go to the C++ kernel (bf16 on CPU with AVX512-BF16)."""
+        return self.lm_head.small_rows > 0
+
+    def linears(self) -> list[Linear]:
+        return [self.lm_head] + [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     def decode_reads_in_place(self, device: torch.device) -> bool:
         """Whether decode attention reads K/V from the pool in place (the C++ kernel), so a row

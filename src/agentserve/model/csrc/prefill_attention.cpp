@@ -136,6 +136,30 @@ inline __m512 exp2_neg(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// r[i] word j becomes r[j] word i (a 16 x 16 transpose of 32-bit words, in registers)
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
 inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
@@ -170,10 +194,35 @@ void micro_task(const Shape& s, const Task& t, const uint16_t* qp, const uint16_
   alignas(64) const uint16_t zero_row[D] = {};
   for (int64_t t0 = 0; t0 < kend; t0 += kKeys) {
     const int64_t nk = std::min<int64_t>(kKeys, kend - t0);
-    // pack K: word (p, j) = K[j][2p .. 2p + 1]; keys past nk are zero (and masked below)
-    for (int64_t j = 0; j < kKeys; ++j) {
-      const uint32_t* kr = reinterpret_cast<const uint32_t*>(j < nk ? kp + s.slots[t0 + j] * row + t.head * D : zero_row);
-      for (int p = 0; p < kPairs; ++p) kpack[p * kKeys + j] = kr[p];
+    // ask for the next tile's K and V rows now: their slots are scattered over the pool, so
+    // without this a decode task (few query vectors, little arithmetic per tile) waited on
+    // one cache miss after another (~3x slower with the pool cold, as it is in a real step)
+    for (int64_t j = t0 + kKeys; j < std::min<int64_t>(kend, t0 + 2 * kKeys); ++j) {
+      const char* kr = reinterpret_cast<const char*>(kp + s.slots[j] * row + t.head * D);
+      const char* vr = reinterpret_cast<const char*>(vp + s.slots[j] * row + t.head * D);
+      for (int b = 0; b < D * 2; b += 64) {
+        _mm_prefetch(kr + b, _MM_HINT_T1);
+        _mm_prefetch(vr + b, _MM_HINT_T1);
+      }
+    }
+    // pack K: word (p, j) = K[j][2p .. 2p + 1]; keys past nk are zero (and masked below).
+    // 16 keys at a time through 16 x 16 word transposes: with a decode step's few query
+    // vectors, word-by-word packing cost more than the arithmetic it fed
+    for (int64_t j0 = 0; j0 < kKeys; j0 += 16) {
+      const uint32_t* kr[16];
+      for (int j = 0; j < 16; ++j)
+        kr[j] = reinterpret_cast<const uint32_t*>(j0 + j < nk ? kp + s.slots[t0 + j0 + j] * row + t.head * D : zero_row);
+      if constexpr (kPairs % 16 == 0) {
+        for (int c = 0; c < kPairs; c += 16) {
+          __m512i r[16];
+          for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(kr[j] + c);
+          transpose16x16(r);
+          for (int w = 0; w < 16; ++w) _mm512_store_si512(kpack + (c + w) * kKeys + j0, r[w]);
+        }
+      } else {
+        for (int j = 0; j < 16; ++j)
+          for (int p = 0; p < kPairs; ++p) kpack[p * kKeys + j0 + j] = kr[j][p];
+      }
     }
     // pack V: word (jp, d) = (V[2jp][d], V[2jp + 1][d])
     for (int64_t jp = 0; jp < kKeys / 2; ++jp) {
@@ -310,6 +359,34 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   run_tasks(tasks, [&](const Task& t) { generic_task<scalar_t, D>(s, t, qp, kp, vp, op); });
 }
 
+#ifdef AGENTSERVE_BF16_MICRO
+// Decode: one query row per sequence, each a one-row chunk at position lens[b] - 1 over its own
+// slots row. A task is (sequence, KV head): the G query heads sharing the KV head are the
+// micro kernel's query vectors, so each packed tile of keys serves G of them.
+template <int D>
+void decode_run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                const at::Tensor& lens, float scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), KVH = k_cache.size(1), L = slots.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  std::vector<int64_t> order(B);
+  for (int64_t b = 0; b < B; ++b) order[b] = b;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lp[a] > lp[b]; });  // longest first
+  std::vector<Task> tasks;  // Task.row0 carries the sequence here (each sequence is a one-row chunk)
+  for (const int64_t b : order)
+    for (int64_t h = 0; h < KVH; ++h) tasks.push_back({h, b, 1});
+  const auto* q16 = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* k16 = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const auto* v16 = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  auto* o16 = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  run_tasks(tasks, [&](const Task& t) {
+    const int64_t b = t.row0;
+    const Shape s{1, H, KVH, H / KVH, lp[b] - 1, sp + b * L, scale * kLog2e};
+    micro_task<D>(s, Task{t.head, 0, 1}, q16 + b * H * D, k16, v16, o16 + b * H * D);
+  });
+}
+#endif
+
 template <typename scalar_t>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                   int64_t start, float scale, at::Tensor& out) {
@@ -350,4 +427,34 @@ bool has_bf16_micro_kernel() {
 #else
   return false;
 #endif
+}
+
+// Decode attention in bf16 through the prefill micro kernel (one-row chunks): q [B, H, D],
+// caches [slots, KVH, D], slots [B, L] (row b's first lens[b] are its context), lens [B].
+at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& slots, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(slots.is_contiguous() && lens.is_contiguous(), "contiguous slots and lens");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 slots and lens");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+              v_cache.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.size(2) == k_cache.size(2), "q [B, H, D], cache [S, KVH, D]");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == q.size(0) && lens.size(0) == q.size(0), "one slots row and length per query");
+  auto out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) TORCH_CHECK(lp[b] >= 1 && lp[b] <= slots.size(1), "lengths in [1, L]");
+#ifdef AGENTSERVE_BF16_MICRO
+  switch (q.size(2)) {  // keep in step with HEAD_DIMS in cpu_kernels.py
+    case 16: prefill::decode_run<16>(q, k_cache, v_cache, slots, lens, static_cast<float>(scale), out); break;
+    case 32: prefill::decode_run<32>(q, k_cache, v_cache, slots, lens, static_cast<float>(scale), out); break;
+    case 64: prefill::decode_run<64>(q, k_cache, v_cache, slots, lens, static_cast<float>(scale), out); break;
+    case 128: prefill::decode_run<128>(q, k_cache, v_cache, slots, lens, static_cast<float>(scale), out); break;
+    default: TORCH_CHECK(false, "decode_attention_bf16: head_dim ", q.size(2), " not compiled (16, 32, 64, 128)");
+  }
+#else
+  TORCH_CHECK(false, "compiled without AVX512-BF16");
+#endif
+  return out;
 }
