@@ -69,7 +69,8 @@ def test_rows_it_takes_and_what_it_rejects(kernels):
     assert kernels.small_linear_rows(896) == 8  # 8 rows of 896 fit in L1 beside the weights
     assert kernels.small_linear_rows(4864) == 2  # wider inputs: only the rows oneDNN is slow at
     x, w, _ = case(9, 64, 4, seed=0, bias=False)
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+    assert kernels.small_linear(x[:0], w, None).shape == (0, 4)
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
         kernels.small_linear(x, w, None)
     with pytest.raises(RuntimeError, match="bf16 only"):
         kernels.small_linear(x[:2].float(), w.float(), None)
@@ -82,8 +83,8 @@ def test_linear_routes_few_rows_to_the_kernel_and_more_to_onednn(kernels):
     spy = KernelSpy(kernels)
     lin = Linear(w, b, pack=True, small=spy)  # type: ignore[arg-type]
     assert lin.small_rows == 8 and lin.weight is not None  # the row-major weight is kept
-    few, many = lin(x[:8]), lin(x)
-    assert spy.small_linear_calls == 1
+    few, many, none = lin(x[:8]), lin(x), lin(x[:0])  # no rows: a step of unfinished prefill chunks
+    assert spy.small_linear_calls == 1 and none.shape == (0, 64)
     assert torch.equal(few, kernels.small_linear(x[:8], w, b))
     assert torch.equal(many, F.linear(x, w, b))  # oneDNN's packed matmul, bit-exact to F.linear
     assert Linear(w.float(), None, pack=True, small=kernels).small_rows == 0  # fp32: exact path
@@ -104,3 +105,14 @@ def test_model_decode_steps_use_it_and_stay_close(kernels, arch):
     b = without.lm_head(h).float()
     assert spy.small_linear_calls == 1 and with_kernel.uses_small_linear() and not without.uses_small_linear()
     assert (a - b).abs().max() <= 2.0**-7 * b.abs().max()
+
+
+def test_decode_bench_times_both_sides(kernels):
+    from agentserve.model.decode_bench import run_decode_attention_bench, run_linear_bench
+
+    rows = run_linear_bench(kernels, shapes=((64, 896), (40, 4864)), rows=(1, 4), budget_s=0.0, cold_bytes=1 << 20)
+    assert [(r.rows, r.n, r.k) for r in rows] == [(1, 64, 896), (4, 64, 896), (1, 40, 4864)]  # 4 rows of 4,864: oneDNN's
+    assert all(r.onednn_ms > 0 and r.kernel_ms > 0 and r.gbps(r.kernel_ms) > 0 for r in rows)
+    if kernels.bf16_prefill:
+        att = run_decode_attention_bench(kernels, cases=((2, 40),), layers=2, budget_s=0.0)
+        assert [(a.sequences, a.context) for a in att] == [(2, 40)] and att[0].loop_ms > 0 and att[0].tiles_ms > 0

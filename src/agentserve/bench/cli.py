@@ -54,6 +54,41 @@ def _attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def _decode(args: argparse.Namespace) -> int:
+    from agentserve.model.cpu_kernels import load_cpu_kernels
+    from agentserve.model.decode_bench import run_decode_attention_bench, run_linear_bench, run_step_bench
+    from agentserve.model.reference import set_threads
+
+    threads = set_threads(args.threads)
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.bf16_small_linear:
+        print("agentserve: the bf16 decode kernels are not built here (they need g++ and a CPU with "
+              "AVX512-BF16); bf16 decode uses oneDNN and the fp32 attention loop")
+        return 1
+    t = Table(title=f"few-row bf16 linears, Qwen2.5-0.5B shapes, cold weights, {threads} threads "
+                    "(best of repeats, side by side)")
+    for col in ("rows", "N x K", "oneDNN ms", "GB/s", "kernel ms", "GB/s ", "speedup"):
+        t.add_column(col, justify="right")
+    for r in run_linear_bench(kernels, budget_s=args.budget):
+        t.add_row(str(r.rows), f"{r.n} x {r.k}", f"{r.onednn_ms:.3f}", f"{r.gbps(r.onednn_ms):.1f}",
+                  f"{r.kernel_ms:.3f}", f"{r.gbps(r.kernel_ms):.1f}", f"{r.speedup:.2f}x")
+    Console().print(t)
+    t = Table(title="bf16 decode attention per layer call, 14 heads / 2 KV heads x 64, cold KV")
+    for col in ("sequences", "context", "fp32 loop ms", "bf16 tiles ms", "speedup"):
+        t.add_column(col, justify="right")
+    for a in run_decode_attention_bench(kernels, budget_s=args.budget):
+        t.add_row(str(a.sequences), str(a.context), f"{a.loop_ms:.3f}", f"{a.tiles_ms:.3f}", f"{a.speedup:.2f}x")
+    Console().print(t)
+    if args.steps:
+        t = Table(title=f"decode step of {args.model}, bf16, 2k contexts: few-row matmuls on the kernel vs oneDNN")
+        for col in ("batch", "kernel ms/step", "oneDNN ms/step", "speedup"):
+            t.add_column(col, justify="right")
+        for s in run_step_bench(args.model):
+            t.add_row(str(s.batch), f"{s.kernel_ms:.1f}", f"{s.onednn_ms:.1f}", f"{s.speedup:.2f}x")
+        Console().print(t)
+    return 0
+
+
 def _agent(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -219,6 +254,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     at.add_argument("--budget", type=float, default=2.0, help="seconds of repeats per side and row")
     at.add_argument("--threads", type=int, default=None)
     at.set_defaults(func=_attention)
+    dc = sub.add_parser("decode", help="the C++ decode kernels (few-row linears, bf16 attention) vs what they replace")
+    dc.add_argument("--budget", type=float, default=1.0, help="seconds of repeats per side and row")
+    dc.add_argument("--threads", type=int, default=None)
+    dc.add_argument("--steps", action="store_true", help="also time the bundled model's decode steps")
+    dc.add_argument("--model", default="qwen2.5-coder-0.5b")
+    dc.set_defaults(func=_decode)
     a = sub.add_parser("agent", help="the agent-4x6 workload against an OpenAI-compatible server")
     a.add_argument("--target", default="http://127.0.0.1:8000")
     a.add_argument("--workload", default=str(Path(__file__).resolve().parents[3].parent / "shared" / "bench" / "agent-4x6.json"))

@@ -142,7 +142,7 @@ class Linear:
                 self.weight = None  # the packed copy replaces it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None and x.shape[0] <= self.small_rows:
+        if self.small is not None and 0 < x.shape[0] <= self.small_rows:
             return self.small.small_linear(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
