@@ -125,3 +125,20 @@ def test_the_pinned_ninja_is_found_without_an_activated_venv(tmp_path):
     (tmp_path / "ninja").write_text("#!/bin/sh\n")
     (tmp_path / "ninja").chmod(0o755)
     assert cpu_kernels.path_with_ninja(str(tmp_path)) == str(tmp_path)  # one already on PATH wins
+
+
+def test_a_build_killed_half_way_does_not_wedge_the_next_start(kernels, caplog):
+    """torch's builder leaves its lock file behind when killed; the next load must not wait on
+    it forever (it did: a harness that stopped a server mid-build wedged every later start)."""
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = kernels.module.__name__
+    stale = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    open(stale, "w").close()
+    code = "from agentserve.model.cpu_kernels import load_cpu_kernels; assert load_cpu_kernels() is not None"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not os.path.exists(stale) and "left by a build that was killed" in done.stderr

@@ -19,10 +19,13 @@ kernels are tested against the torch path and against an fp64 reference.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,6 +116,30 @@ def _stable_copy(name: str, filename: str, source: bytes) -> Path:
     return path
 
 
+@contextmanager
+def _build_lock(name: str) -> Iterator[None]:
+    """One builder at a time, under a lock the kernel drops when its holder dies.
+
+    torch's builder serializes with a lock *file* that it deletes when done; a process killed
+    mid-build (Ctrl-C on a first start, a benchmark harness stopping a server) leaves the file,
+    and every later start then waited on it forever. Every agentserve build takes this flock
+    first, so whoever holds it knows a leftover file is stale and removes it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "agentserve.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def load_cpu_kernels() -> CpuKernels | None:
     """The compiled kernels, or None (logged) where they cannot be built here."""
     try:
@@ -126,8 +153,8 @@ def load_cpu_kernels() -> CpuKernels | None:
         key += _cpu_tag() + torch.__version__.encode() + " ".join(CFLAGS).encode()
         name = f"agentserve_cpu_{hashlib.sha256(key).hexdigest()[:12]}"
         paths = [str(_stable_copy(name, f, s)) for f, s in sources.items()]
-        module = load(name=name, sources=paths, extra_cflags=CFLAGS,
-                      verbose=False)
+        with _build_lock(name):
+            module = load(name=name, sources=paths, extra_cflags=CFLAGS, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
         log.warning("C++ attention kernels unavailable (%s: %s); using torch's SDPA", type(exc).__name__, exc)
         return None
