@@ -127,8 +127,9 @@ class Linear:
     """y = x W^T + b. On CPU in bf16 the weight is pre-packed for oneDNN once (2-3x faster for
     the few-row matmuls of decode, bit-identical results); elsewhere it is plain F.linear.
     With `small` (the C++ few-row kernel, csrc/small_linear.cpp) the row-major weight is kept
-    as well, and matmuls of at most `small_rows(K)` rows go to it: they are bound by memory
-    bandwidth, which it uses better than oneDNN does (1.1-2x here at 1-2 rows)."""
+    as well, and matmuls of 1 to `small_rows` rows go to it: they are bound by memory
+    bandwidth, which it uses better than oneDNN does (~1.1-2x here at 1-8 rows). The price is
+    a second copy of the weights in RAM (~1 GB for Qwen2.5-0.5B); `--no-cpu-kernels` drops it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
                  small: CpuKernels | None = None) -> None:
