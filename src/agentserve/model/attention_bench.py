@@ -33,7 +33,7 @@ class AttentionRow:
         return self.torch_ms / self.kernel_ms
 
 
-def _best_ms(fn: Callable[[], torch.Tensor], budget_s: float) -> float:
+def best_ms(fn: Callable[[], torch.Tensor], budget_s: float) -> float:
     """The fastest of repeated calls (after one warm-up) within budget_s: the machine is shared,
     and the minimum is the least disturbed figure for both sides alike."""
     fn()
@@ -71,7 +71,7 @@ def run_attention_bench(kernels: CpuKernels, heads: int = 14, kv_heads: int = 2,
         def kernel() -> torch.Tensor:
             return kernels.prefill_attention(q, k, v, slots, start, model.scale)
 
-        torch_ms, kernel_ms = _best_ms(reference, budget_s), _best_ms(kernel, budget_s)
+        torch_ms, kernel_ms = best_ms(reference, budget_s), best_ms(kernel, budget_s)
         flops = 4 * rows * heads * head_dim * (start + (rows + 1) / 2)
         out.append(AttentionRow(rows, start, torch_ms, kernel_ms, flops / kernel_ms / 1e6))
     return out

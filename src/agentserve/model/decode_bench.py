@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agentserve.model.attention_bench import best_ms
 from agentserve.model.cpu_kernels import CpuKernels
 from agentserve.model.transformer import Linear
 
@@ -74,19 +75,6 @@ class StepRow:
         return self.onednn_ms / self.kernel_ms
 
 
-def _best_ms(fn: Callable[[], object], budget_s: float) -> float:
-    """The fastest of repeated calls (after one warm-up) within budget_s: the machine is shared,
-    and the minimum is the least disturbed figure for both sides alike."""
-    fn()
-    best, spent = float("inf"), 0.0
-    while spent < budget_s or best == float("inf"):
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        best, spent = min(best, dt), spent + dt
-    return best * 1e3
-
-
 def _cycle(calls: list[Callable[[], object]]) -> Callable[[], object]:
     """One call per invocation, each on the next copy: every call finds its data cold."""
     state = {"i": 0}
@@ -112,7 +100,7 @@ def run_linear_bench(kernels: CpuKernels, shapes: tuple[tuple[int, int], ...] = 
             x = torch.randn(m, k, generator=gen).bfloat16()
             ours = _cycle([lambda w=w: kernels.small_linear(x, w, None) for w in weights])
             theirs = _cycle([lambda p=p: p(x) for p in packed])
-            kernel_ms, onednn_ms = _best_ms(ours, budget_s), _best_ms(theirs, budget_s)
+            kernel_ms, onednn_ms = best_ms(ours, budget_s), best_ms(theirs, budget_s)
             out.append(LinearRow(m, n, k, onednn_ms, kernel_ms))
         del weights, packed
     return out
@@ -139,7 +127,7 @@ def run_decode_attention_bench(kernels: CpuKernels, cases: tuple[tuple[int, int]
                        for kv in pools])
         tiles = _cycle([lambda kv=kv: kernels.module.decode_attention_bf16(q, kv[0], kv[1], slots, lengths, scale)
                         for kv in pools])
-        loop_ms, tiles_ms = _best_ms(loop, budget_s), _best_ms(tiles, budget_s)
+        loop_ms, tiles_ms = best_ms(loop, budget_s), best_ms(tiles, budget_s)
         out.append(AttentionRow(b, ctx, loop_ms, tiles_ms))
         del pools
     return out
