@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -46,36 +45,35 @@ inline __m512bh load_tail(const at::BFloat16* p, int64_t left) {  // left < 32 v
   return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ULL << left) - 1), p);
 }
 
-// out[j] (+)= dot(w[0 .. len), x[j * ldx + 0 .. len)) for j < MM; pf is prefetched alongside
+// out[j] = dot(w[0 .. K), x[j * K + 0 .. K)) for j < MM; pf is prefetched alongside
 // w. U accumulators per input row hide VDPBF16PS's latency when MM is small.
 template <int MM, int U>
-inline void row_dot(const at::BFloat16* w, const at::BFloat16* pf, const at::BFloat16* x, int64_t ldx,
-                    int64_t len, bool add, float* out) {
+inline void row_dot(const at::BFloat16* w, const at::BFloat16* pf, const at::BFloat16* x, int64_t K,
+                    float* out) {
   __m512 acc[U][MM];
   for (int u = 0; u < U; ++u)
     for (int j = 0; j < MM; ++j) acc[u][j] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 * U <= len; k += 32 * U) {
+  for (; k + 32 * U <= K; k += 32 * U) {
     for (int u = 0; u < U; ++u)  // one 64-byte line per 32 values
       _mm_prefetch(reinterpret_cast<const char*>(pf + k + 32 * u), _MM_HINT_T0);
     for (int u = 0; u < U; ++u) {
       const __m512bh wv = load32(w + k + 32 * u);
-      for (int j = 0; j < MM; ++j) acc[u][j] = _mm512_dpbf16_ps(acc[u][j], wv, load32(x + j * ldx + k + 32 * u));
+      for (int j = 0; j < MM; ++j) acc[u][j] = _mm512_dpbf16_ps(acc[u][j], wv, load32(x + j * K + k + 32 * u));
     }
   }
-  for (; k < len; k += 32) {
-    const int64_t left = len - k;
+  for (; k < K; k += 32) {
+    const int64_t left = K - k;
     const __m512bh wv = left >= 32 ? load32(w + k) : load_tail(w + k, left);
     for (int j = 0; j < MM; ++j) {
-      const __m512bh xv = left >= 32 ? load32(x + j * ldx + k) : load_tail(x + j * ldx + k, left);
+      const __m512bh xv = left >= 32 ? load32(x + j * K + k) : load_tail(x + j * K + k, left);
       acc[0][j] = _mm512_dpbf16_ps(acc[0][j], wv, xv);
     }
   }
   for (int j = 0; j < MM; ++j) {
     __m512 s = acc[0][j];
     for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[u][j]);
-    const float v = _mm512_reduce_add_ps(s);
-    out[j] = add ? out[j] + v : v;
+    out[j] = _mm512_reduce_add_ps(s);
   }
 }
 
@@ -83,12 +81,12 @@ inline void row_dot(const at::BFloat16* w, const at::BFloat16* pf, const at::BFl
 inline void row_all(const at::BFloat16* w, const at::BFloat16* x, int64_t M, int64_t K, float* out) {
   const at::BFloat16* pf = w + kPrefetchValues;
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) row_dot<4, 2>(w, pf, x + m * K, K, K, false, out + m);
+  for (; m + 4 <= M; m += 4) row_dot<4, 2>(w, pf, x + m * K, K, out + m);
   const at::BFloat16* xm = x + m * K;
   switch (M - m) {
-    case 3: row_dot<3, 1>(w, pf, xm, K, K, false, out + m); break;
-    case 2: row_dot<2, 2>(w, pf, xm, K, K, false, out + m); break;
-    case 1: row_dot<1, 4>(w, pf, xm, K, K, false, out + m); break;
+    case 3: row_dot<3, 1>(w, pf, xm, K, out + m); break;
+    case 2: row_dot<2, 2>(w, pf, xm, K, out + m); break;
+    case 1: row_dot<1, 4>(w, pf, xm, K, out + m); break;
     default: break;
   }
 }
