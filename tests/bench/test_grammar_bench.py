@@ -28,7 +28,7 @@ def test_gaps_are_counted_where_their_later_chunk_lands():
 def test_one_tiny_round_end_to_end(tmp_path):
     cfg = GrammarBenchConfig(streams=2, rounds=1, quiet_s=0.5, modes=("worker",), port=8741, log_dir=tmp_path)
     (r,) = asyncio.run(run_grammar_bench(cfg))
-    assert r.errors == () and r.num_ok == 2
+    assert r.errors == () and r.num_ok == 3
     assert r.cached_fraction > 0.5  # the round's prompt was prefilled, so the window sees the grammar
-    assert r.before.num_gaps > 0 and r.control.num_gaps > 0 and r.new.num_gaps > 0
+    assert r.before.num_gaps > 0 and r.control.num_gaps > 0 and r.new.num_gaps > 0 and r.plain.num_gaps > 0
     assert r.door_new_p50_ms > 0 and r.new.p99_ms >= r.new.p50_ms > 0

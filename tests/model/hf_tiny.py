@@ -192,6 +192,9 @@ class KernelSpy:
     prefill_over_cache: int = 0  # of them, chunks starting past position 0
     max_prefill_context: int = 0
     small_linear_calls: int = 0  # few-row bf16 matmuls through csrc/small_linear.cpp
+    norm_calls: int = 0  # RMSNorms (with or without the residual add) through csrc/norm_rope.cpp
+    rope_calls: int = 0
+    silu_calls: int = 0
 
     def install(self, model: Transformer) -> None:
         """Stand in for the kernels everywhere the model holds them (its linears too)."""
@@ -209,6 +212,23 @@ class KernelSpy:
 
     def supports(self, head_dim: int) -> bool:
         return self.kernels.supports(head_dim)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        self.norm_calls += 1
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        self.norm_calls += 1
+        return self.kernels.add_rms_norm(h, d, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        self.silu_calls += 1
+        return self.kernels.silu_mul(gate_up)
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
+                   slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.rope_calls += 1
+        self.kernels.rope_store(qkv, cos, sin, q_heads, kv_heads, slots, k_cache, v_cache)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slots: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:

@@ -143,6 +143,11 @@ def runs(llm, hf) -> tuple[list[Run], str]:
         assert spy.max_context > 256  # LONG's decodes: the rescale between tiles ran, in bf16
         if kernels.bf16_small_linear:  # decode steps of few rows went through the C++ matmul
             assert spy.small_linear_calls >= 4 * llm.model_config.num_layers
+        # in every step (at least one per new token), every layer's two norms and its RoPE + KV
+        # write went through csrc/norm_rope.cpp
+        assert spy.norm_calls >= 2 * llm.model_config.num_layers * NEW_TOKENS
+        assert spy.rope_calls >= llm.model_config.num_layers * NEW_TOKENS
+        assert spy.silu_calls >= llm.model_config.num_layers * NEW_TOKENS
     hf32, hf16 = hf
     result = []
     for o in outputs:

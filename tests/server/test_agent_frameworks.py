@@ -170,7 +170,7 @@ def openai_agent(server: str, tools: Tools, turns: Turns):
     http = httpx.AsyncClient(event_hooks={"request": [turns.arecord]}, timeout=300)
     model = OpenAIChatCompletionsModel(model=M, openai_client=openai.AsyncOpenAI(
         base_url=server + "/v1", api_key="unused", max_retries=0, http_client=http))
-    return Agent(name="assistant", instructions="You are a helpful assistant.", model=model,
+    return Agent(name="assistant", instructions=None, model=model,  # no system message: as the others send
                  tools=[function_tool(tools.get_weather), function_tool(tools.celsius_to_fahrenheit)],
                  model_settings=ModelSettings(temperature=0, max_tokens=200))
 

@@ -80,11 +80,12 @@ def _decode(args: argparse.Namespace) -> int:
         t.add_row(str(a.sequences), str(a.context), f"{a.loop_ms:.3f}", f"{a.tiles_ms:.3f}", f"{a.speedup:.2f}x")
     Console().print(t)
     if args.steps:
-        t = Table(title=f"decode step of {args.model}, bf16, 2k contexts: few-row matmuls on the kernel vs oneDNN")
-        for col in ("batch", "kernel ms/step", "oneDNN ms/step", "speedup"):
+        t = Table(title=f"decode step of {args.model}, bf16, 2k contexts: the kernels against oneDNN and torch ops")
+        for col in ("batch", "kernels ms/step", "matmul kernel only", "neither (oneDNN)", "fused glue", "both"):
             t.add_column(col, justify="right")
         for s in run_step_bench(args.model):
-            t.add_row(str(s.batch), f"{s.kernel_ms:.1f}", f"{s.onednn_ms:.1f}", f"{s.speedup:.2f}x")
+            t.add_row(str(s.batch), f"{s.kernel_ms:.1f}", f"{s.torch_glue_ms:.1f}", f"{s.onednn_ms:.1f}",
+                      f"{s.glue_speedup:.2f}x", f"{s.speedup:.2f}x")
         Console().print(t)
     return 0
 
@@ -165,15 +166,16 @@ def _grammar(args: argparse.Namespace) -> int:
                              baseline_src=Path(args.baseline_src) if args.baseline_src else None)
     results = asyncio.run(run_grammar_bench(cfg))
     t = Table(title=f"grammar bench: {args.model}, {args.streams} streams, {args.rounds} rounds of a new 40-tool "
-                    f"forced call and its tool_choice=auto control, {platform.processor() or platform.machine()}")
-    for col in ("mode", "ITL p50 / p99 / stall ms: before", "control", "new grammar", "p99 new/before",
-                "p99 new/control", "stall new/before", "door ms control / new", "ok", "cached"):
+                    f"forced call, its tool_choice=auto control and a request with no tools, {platform.processor() or platform.machine()}")
+    for col in ("mode", "ITL p50 / p99 / stall ms: before", "control", "new grammar", "no tools", "p99 new/before",
+                "p99 new/control", "p99 no-tools/before", "stall new/before", "door ms control / new", "ok", "cached"):
         t.add_column(col, justify="right")
     for r in results:
         t.add_row(r.mode, *(f"{x.p50_ms:.0f} / {x.p99_ms:.0f} / {x.stall_ms:.0f} ({x.num_gaps})"
-                            for x in (r.before, r.control, r.new)),
-                  f"{r.p99_vs_before:.2f}x", f"{r.p99_vs_control:.2f}x", f"{r.stall_vs_before:.2f}x",
-                  f"{r.door_control_p50_ms:.0f} / {r.door_new_p50_ms:.0f}", f"{r.num_ok}/{2 * args.rounds}",
+                            for x in (r.before, r.control, r.new, r.plain)),
+                  f"{r.p99_vs_before:.2f}x", f"{r.p99_vs_control:.2f}x", f"{r.plain_vs_before:.2f}x",
+                  f"{r.stall_vs_before:.2f}x",
+                  f"{r.door_control_p50_ms:.0f} / {r.door_new_p50_ms:.0f}", f"{r.num_ok}/{3 * args.rounds}",
                   f"{r.cached_fraction:.0%}")
     Console(width=200).print(t)
     for r in results:

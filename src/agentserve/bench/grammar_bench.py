@@ -10,7 +10,9 @@ the door and the grammar rather than a prefill. Inter-token latency (ITL) of the
 at the client, from chunks arriving
   before:  just before each of those requests is sent, for as long as it then took;
   control: while the control is in flight (sent -> done; it generates a few tokens);
-  new:     while the forced call is in flight.
+  new:     while the forced call is in flight;
+  plain:   while a request with the same messages and no tools at all is in flight (its prompt
+           prefilled too): what any request joining the batch costs the streams.
 On a shared machine the control is the fair yardstick: new vs control is what the grammar costs.
 Modes: `worker` (compiled once per grammar on a worker before the engine sees it), `inline`
 (--grammar-inline: tools checked on the event loop and the grammar compiled on the step thread,
@@ -68,9 +70,10 @@ class ModeResult:
     before: Latency  # ITL in the quiet windows
     control: Latency  # ITL while the same request with tool_choice "auto" (no grammar) is in flight
     new: Latency  # ITL while the forced call with a never-seen grammar is in flight
+    plain: Latency  # ITL while a request with no tools (no schema, no grammar) is in flight
     door_control_p50_ms: float  # sent -> first chunk: past the door and into the engine
     door_new_p50_ms: float  # the same, with tool checks and the grammar's compile when off-thread
-    num_ok: int  # requests answered 200 (of 2 per round)
+    num_ok: int  # requests answered 200 (of 3 per round)
     cached_fraction: float  # of their prompt tokens, from the prefix cache
     errors: tuple[str, ...]
 
@@ -81,6 +84,10 @@ class ModeResult:
     @property
     def p99_vs_control(self) -> float:
         return self.new.p99_ms / self.control.p99_ms
+
+    @property
+    def plain_vs_before(self) -> float:
+        return self.plain.p99_ms / self.before.p99_ms
 
     @property
     def p50_vs_before(self) -> float:
@@ -110,12 +117,13 @@ def gaps_in(stamps: list[list[float]], windows: list[tuple[float, float]]) -> li
 
 
 def chat_prompt_ids(tokenizer: Any, tools: list[dict[str, Any]]) -> list[int]:
-    """The token ids the server will render for the forced call (its own prompt builder)."""
+    """The token ids the server will render for the forced call, or with no tools for a plain
+    request (its own prompt builder)."""
     from agentserve.server.chat import build_chat_prompt
     from agentserve.server.protocol import ChatCompletionRequest
 
-    body = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "tools": tools,
-                                                 "tool_choice": "required"})
+    fields = {"tools": tools, "tool_choice": "required"} if tools else {}
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, **fields})
     return build_chat_prompt(body, tokenizer).token_ids
 
 
@@ -124,19 +132,25 @@ Windows = dict[str, list[tuple[float, float]]]  # kind -> (start, end) perf_coun
 
 async def _rounds(client: httpx.AsyncClient, cfg: GrammarBenchConfig, model: str, tokenizer: Any,
                   salt: str) -> tuple[list[tuple[str, ForcedCall]], Windows]:
-    """Each round: a new tool set, its prompt prefilled, then (in alternating order) the control
-    and the forced call, each after a quiet window. A request's "before" window is the end of
-    its quiet window, as long as the request then took (so both windows hold as many steps)."""
+    """Each round: a new tool set, its prompt prefilled, then (in rotating order) the control,
+    the forced call and the plain request, each after a quiet window. A request's "before"
+    window is the end of its quiet window, as long as the request then took (so both windows
+    hold as many steps)."""
     calls: list[tuple[str, ForcedCall]] = []
-    windows: Windows = {"before": [], "control": [], "new": []}
+    windows: Windows = {"before": [], "control": [], "new": [], "plain": []}
+    await prefill(client, model, chat_prompt_ids(tokenizer, []))
+    kinds = ("control", "new", "plain")
     for r in range(cfg.rounds):
         tools = agent_tools(f"_{salt}{r}")
         await prefill(client, model, chat_prompt_ids(tokenizer, tools))
-        for kind in ("control", "new") if r % 2 == 0 else ("new", "control"):
+        for kind in kinds[r % 3:] + kinds[: r % 3]:
             await asyncio.sleep(cfg.quiet_s)
             quiet_from = time.perf_counter() - cfg.quiet_s
-            choice = "auto" if kind == "control" else "required"
-            call = await forced_call(client, model, MESSAGES, tools, cfg.guided_max_tokens, choice)
+            if kind == "plain":
+                call = await forced_call(client, model, MESSAGES, [], cfg.guided_max_tokens, None)
+            else:
+                choice = "auto" if kind == "control" else "required"
+                call = await forced_call(client, model, MESSAGES, tools, cfg.guided_max_tokens, choice)
             windows["before"].append((max(quiet_from, 2 * call.sent - call.done), call.sent))
             windows[kind].append((call.sent, call.done))
             calls.append((kind, call))
@@ -182,7 +196,7 @@ def _summarize(mode: str, stamps: list[list[float]], calls: list[tuple[str, Forc
     cached = sum(c.cached_tokens or 0 for _, c in ok) / max(1, sum(c.prompt_tokens or 0 for _, c in ok))
     return ModeResult(
         mode=mode, before=_latency(stamps, windows["before"]), control=_latency(stamps, windows["control"]),
-        new=_latency(stamps, windows["new"]), door_control_p50_ms=door("control"), door_new_p50_ms=door("new"),
+        new=_latency(stamps, windows["new"]), plain=_latency(stamps, windows["plain"]), door_control_p50_ms=door("control"), door_new_p50_ms=door("new"),
         num_ok=len(ok), cached_fraction=cached,
         errors=tuple(f"{k}: HTTP {c.status}: {c.error}" for k, c in calls if c.status != 200))
 
@@ -199,4 +213,5 @@ async def run_grammar_bench(cfg: GrammarBenchConfig) -> list[ModeResult]:
 
 def result_dicts(results: list[ModeResult]) -> list[dict[str, Any]]:
     return [{**asdict(r), "p99_vs_before": r.p99_vs_before, "p99_vs_control": r.p99_vs_control,
+             "plain_vs_before": r.plain_vs_before,
              "p50_vs_before": r.p50_vs_before, "stall_vs_before": r.stall_vs_before} for r in results]

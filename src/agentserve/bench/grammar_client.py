@@ -73,9 +73,12 @@ class ForcedCall:
 
 
 async def forced_call(client: httpx.AsyncClient, model: str, messages: list[dict[str, Any]],
-                      tools: list[dict[str, Any]], max_tokens: int, tool_choice: str = "required") -> ForcedCall:
-    body = {"model": model, "messages": messages, "tools": tools, "tool_choice": tool_choice,
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+                      tools: list[dict[str, Any]], max_tokens: int, tool_choice: str | None = "required") -> ForcedCall:
+    """A streamed chat request; with no tools and tool_choice None, a plain one."""
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if tools:
+        body |= {"tools": tools, "tool_choice": tool_choice}
     sent, admitted, usage = time.perf_counter(), None, {}
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:

@@ -11,7 +11,10 @@ prefix. Both kernels read the K/V rows in place by slot:
   Decode in bf16 runs through the same micro kernel, each sequence a one-row chunk;
 - `csrc/small_linear.cpp`: the few-row bf16 matmuls of decode steps, which are bound by memory
   bandwidth: one sequential weight stream per thread with software prefetch, 1.1-2x oneDNN's
-  packed matmul here at 1-8 rows (it keeps a row-major copy of the weights beside oneDNN's).
+  packed matmul here at 1-8 rows (it keeps a row-major copy of the weights beside oneDNN's);
+- `csrc/norm_rope.cpp`: in bf16, the residual add with the RMSNorm after it, RoPE with the
+  KV-cache write and the MLP's SiLU(gate) * up, one call each instead of ~35 small torch ops
+  a layer, which cost a decode step's few rows far more than their arithmetic.
 Anything that stops the build (no compiler, a build error) leaves the torch path in use; the
 kernels are tested against the torch path and against an fp64 reference.
 `LLM(cpu_kernels=False)` / `agentserve serve --no-cpu-kernels` turn them off.
@@ -35,7 +38,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "small_linear.cpp")  # one module
+SOURCES = ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "small_linear.cpp", "norm_rope.cpp")  # one module
 HEAD_DIMS = (16, 32, 64, 128)  # compiled in; other head sizes use the torch path
 # -fopenmp at compile time only: at::parallel_for's pragmas then bind, when the module loads,
 # to the OpenMP runtime torch already loaded (one thread pool, not two).
@@ -69,6 +72,24 @@ class CpuKernels:
     def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + b in bf16 for x: [rows <= small_linear_rows(K), K], W: [N, K] row-major."""
         return self.module.small_linear_bf16(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of x: [rows, n] bf16, as transformer.rms_norm rounds it."""
+        return self.module.rms_norm_bf16(x, weight, eps)
+
+    def add_rms_norm(self, h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """h += d in place (bf16), and returns the RMSNorm of the new h; [rows, n] each."""
+        return self.module.add_rms_norm_bf16(h, d, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up for gate_up: [rows, 2n] bf16 (the fused projections) -> [rows, n]."""
+        return self.module.silu_mul_bf16(gate_up)
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
+                   slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Rotates the q and k heads of the fused projection qkv ([rows, (q + 2 kv) heads * dim],
+        bf16) in place, and writes each row's k and v to the caches at slots."""
+        self.module.rope_store_bf16(qkv, cos, sin, q_heads, kv_heads, slots, k_cache, v_cache)
 
     def supports_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
         """fp32 always (exact, for tests and fp32 serving); bf16 where the vector kernel exists."""

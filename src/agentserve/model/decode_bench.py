@@ -1,4 +1,4 @@
-"""`agentserve bench decode`: the two C++ kernels of a bf16 decode step against what they
+"""`agentserve bench decode`: the C++ kernels of a bf16 decode step against what they
 replace, timed side by side in one process, with the weights and the KV cold as in a real step
 (each call reads a different copy, together larger than the L3 cache):
 
@@ -7,7 +7,8 @@ replace, timed side by side in one process, with the weights and the KV cold as 
 - decode attention: bf16 through the prefill micro kernel against the fp32 loop that served
   bf16 before (csrc/decode_attention.cpp), for B sequences of `context` tokens, 24 layers;
 - steps (`--steps`): the bundled model's decode step, ms per step at batch 1 to 8 over 2k
-  contexts, with the few-row matmuls on the kernel and on oneDNN (attention the same).
+  contexts: both kernels, the few-row matmul kernel alone (norms, RoPE and SiLU in torch ops,
+  not csrc/norm_rope.cpp), and neither (oneDNN; attention the same throughout).
 
 A decode step reads every weight once, so the linears are bound by memory bandwidth: GB/s
 here is weight bytes per second (two cores stream ~38 GB/s from DRAM here)."""
@@ -67,12 +68,17 @@ class AttentionRow:
 @dataclass(frozen=True, slots=True)
 class StepRow:
     batch: int
-    kernel_ms: float
-    onednn_ms: float
+    kernel_ms: float  # both kernels: few-row matmuls and the fused norms / RoPE / SiLU
+    torch_glue_ms: float  # the matmul kernel, the element-wise steps in torch ops
+    onednn_ms: float  # neither: oneDNN and torch ops
 
     @property
     def speedup(self) -> float:
         return self.onednn_ms / self.kernel_ms
+
+    @property
+    def glue_speedup(self) -> float:
+        return self.torch_glue_ms / self.kernel_ms
 
 
 def _cycle(calls: list[Callable[[], object]]) -> Callable[[], object]:
@@ -135,22 +141,29 @@ def run_decode_attention_bench(kernels: CpuKernels, cases: tuple[tuple[int, int]
 
 def run_step_bench(model: str = "qwen2.5-coder-0.5b", batches: tuple[int, ...] = (1, 2, 4, 8),
                    context: int = 2048, steps: int = 24, repeats: int = 3, seed: int = 1) -> list[StepRow]:
-    """The bundled model's decode steps, ms per step, few-row matmuls on the kernel vs oneDNN.
-    Steps are timed as (a run of steps + 1 tokens) minus (a run of 1 token) on cached prompts,
-    so the prompt's last-token prefill cancels; the two sides alternate within each repeat."""
+    """The bundled model's decode steps, ms per step: both kernels, the matmul kernel with the
+    element-wise steps in torch ops, and neither. Steps are timed as (a run of steps + 1 tokens)
+    minus (a run of 1 token) on cached prompts, so the prompt's last-token prefill cancels; the
+    three sides alternate within each repeat."""
     from agentserve.api import LLM
     from agentserve.engine.request import SamplingParams
 
     llm = LLM(model, dtype="bfloat16", kv_cache_memory_gib=1.0, max_model_len=context + steps + 64)
     linears = llm.runner.model.linears()
     rows = [lin.small_rows for lin in linears]
+    fused = llm.runner.model.fused_norm_rope
 
-    def use_kernel(on: bool) -> None:  # the same Linear objects: oneDNN's packed copy is there
+    sides = {"kernel": (True, True), "torch_glue": (True, False), "onednn": (False, False)}
+
+    def use(side: str) -> None:  # the same Linear objects: oneDNN's packed copy is there
+        small, glue = sides[side]
         for lin, r in zip(linears, rows):
-            lin.small_rows = r if on else 0
+            lin.small_rows = r if small else 0
+        llm.runner.model.fused_norm_rope = glue and fused
 
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1000, 150000) for _ in range(context)] for _ in range(max(batches))]
+    vocab = llm.model_config.vocab_size  # ids the model takes (any bundled model)
+    prompts = [[rng.randrange(vocab // 100, vocab) for _ in range(context)] for _ in range(max(batches))]
     one = SamplingParams(temperature=0, max_tokens=1)
     many = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     llm.generate(prompts, one)  # cache every prompt
@@ -165,11 +178,11 @@ def run_step_bench(model: str = "qwen2.5-coder-0.5b", batches: tuple[int, ...] =
 
     out: list[StepRow] = []
     for batch in batches:
-        best = {True: float("inf"), False: float("inf")}
+        best = dict.fromkeys(sides, float("inf"))
         for _ in range(repeats):
-            for on in (True, False):
-                use_kernel(on)
-                best[on] = min(best[on], ms_per_step(batch))
-        use_kernel(True)
-        out.append(StepRow(batch, best[True], best[False]))
+            for side in sides:
+                use(side)
+                best[side] = min(best[side], ms_per_step(batch))
+        use("kernel")
+        out.append(StepRow(batch, best["kernel"], best["torch_glue"], best["onednn"]))
     return out

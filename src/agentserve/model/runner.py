@@ -63,6 +63,8 @@ class ModelRunner:
             if dtype == torch.bfloat16:
                 kernels += "+bf16-decode-tiles"  # decode through the same micro kernel
         linear = "small-rows" if self.model.uses_small_linear() else "onednn"  # the sums' order
+        if self.model.fused_norm_rope:
+            linear += "+cpp-norm-rope"  # the RMSNorm's sum of squares in another order
         return f"attention={kernels};linear={linear};torch={torch.__version__};device={self.device.type}"
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:

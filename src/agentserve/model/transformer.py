@@ -33,9 +33,9 @@ class ChunkLayout:
 class DecodeGroup:
     """All one-token chunks of a step, attended in one padded call per layer.
 
-    rows: [B] their rows in the flat batch; slots: [B, max_context] context slots, padded;
-    lengths: [B] context lengths; visible: [B, 1, 1, max_context] True where a slot is real
-    (None when no row is padded)."""
+    rows: [B] their rows in the flat batch, ascending (so B rows of a B-row batch are 0..B-1);
+    slots: [B, max_context] context slots, padded; lengths: [B] context lengths; visible:
+    [B, 1, 1, max_context] True where a slot is real (None when no row is padded)."""
 
     rows: torch.Tensor
     slots: torch.Tensor
@@ -186,6 +186,10 @@ class Transformer:
         self.norm = weights["model.norm.weight"]
         self.layers = [self._layer(weights, i, pack, kernels) for i in range(config.num_layers)]
         self.scale = config.head_dim ** -0.5
+        # bf16 on CPU: residual add + RMSNorm, RoPE + KV write and SiLU * up as one C++ call
+        # each (csrc/norm_rope.cpp, the same roundings); a plain attribute so a bench can compare.
+        self.fused_norm_rope = (kernels is not None and self.embed.device.type == "cpu"
+                                and self.embed.dtype == torch.bfloat16)
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int, pack: bool, small: CpuKernels | None) -> Layer:
@@ -214,14 +218,35 @@ class Transformer:
         in_place = self.prefill_reads_in_place(h.dtype, h.device)
         # the SDPA path's additive masks, built once and used by every layer; the kernel needs none
         masks = [None if in_place else self._chunk_mask(c, h.dtype) for c in chunks]
+        x = self._norm(h, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            h = h + self._attention(x, layer, cos, sin, write_slots, chunks, masks, decode, kv.k[i], kv.v[i])
-            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        last = rms_norm(h[logit_rows], self.norm, cfg.rms_norm_eps)
+            h, x = self._add_norm(h, self._attention(x, layer, cos, sin, write_slots, chunks, masks, decode,
+                                                     kv.k[i], kv.v[i]), layer.post_norm)
+            mlp = layer.down(self._silu_mul(layer.gate_up(x)))
+            if i + 1 < len(self.layers):
+                h, x = self._add_norm(h, mlp, self.layers[i + 1].input_norm)
+            else:
+                h = h + mlp
+        last = self._norm(h[logit_rows], self.norm)
         return self.lm_head(last).float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused_norm_rope:
+            return self.kernels.rms_norm(x, weight, self.config.rms_norm_eps)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused_norm_rope:
+            return self.kernels.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _add_norm(self, h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + d, rms_norm(h + d)); the kernel adds into h in place (the forward owns h)."""
+        if self.fused_norm_rope:
+            return h, self.kernels.add_rms_norm(h, d, weight, self.config.rms_norm_eps)
+        h = h + d
+        return h, rms_norm(h, weight, self.config.rms_norm_eps)
 
     def _attention(self, x: torch.Tensor, layer: Layer, cos: torch.Tensor,
                    sin: torch.Tensor, write_slots: torch.Tensor, chunks: list[ChunkLayout],
@@ -233,7 +258,11 @@ class Transformer:
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qkv = layer.qkv(x)
         v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
-        if layer.q_norm is not None and layer.k_norm is not None:
+        if self.fused_norm_rope and layer.q_norm is None:  # rotated in place, K/V written to the pool
+            self.kernels.rope_store(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, write_slots, k_cache, v_cache)
+            q = qkv[:, :q_size].view(n, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
+        elif layer.q_norm is not None and layer.k_norm is not None:
             q = rms_norm(qkv[:, :q_size].view(n, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
             k = rms_norm(qkv[:, q_size : q_size + kv_size].view(n, cfg.num_kv_heads, cfg.head_dim),
                          layer.k_norm, cfg.rms_norm_eps)
@@ -241,8 +270,11 @@ class Transformer:
         else:  # q and k rotated in one pass: half the small ops of a decode step's RoPE
             qk = apply_rope(qkv[:, : q_size + kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-        k_cache.index_copy_(0, write_slots, k)
-        v_cache.index_copy_(0, write_slots, v)
+        if not (self.fused_norm_rope and layer.q_norm is None):
+            k_cache.index_copy_(0, write_slots, k)
+            v_cache.index_copy_(0, write_slots, v)
+        if decode is not None and decode.rows.shape[0] == n:  # a decode-only step: rows 0..n-1 in order
+            return layer.o(self._decode_attention(q, decode, k_cache, v_cache).reshape(n, -1))
         out = torch.empty_like(q)  # [num_tokens, heads, head_dim]
         in_place = self.prefill_reads_in_place(q.dtype, q.device)
         for c, mask in zip(chunks, masks):
