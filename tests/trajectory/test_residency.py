@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from agentserve.kv.block_pool import BlockPool
@@ -316,3 +316,56 @@ def test_a_pause_whose_p_decays_below_the_threshold_loses_protection_at_a_tick(d
     clock.t = 601.0
     res.on_request(key("a"))
     assert res.registry.get(key("a")).receipts[-1].outcome == "returned"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["request", "respond", "event", "tick"]), st.integers(0, 11),
+                          st.sampled_from(["tool", "read", "bash", None]), st.sampled_from([None, 5.0, 300.0]),
+                          st.floats(0.0, 120.0)), min_size=1, max_size=80))
+def test_the_array_order_is_the_order_rank_defines(ops):
+    """With enough protected trajectories the eviction order and the decay releases are computed
+    over arrays (Residency._p_rows). Fed the same calls, a residency on that path and one on
+    the scalar definition (`rank` over `p_keep`, a stable sort in protection order) must agree
+    on the order, every rank, and every decision, through pauses of several classes, hints,
+    returns (running while protected), ends, expiry and decay."""
+    from agentserve.trajectory.events import Event
+
+    sides = []
+    for array_rank_min in (0, 10**9):  # the array path always; never
+        clock = Clock()
+        # half never return: P decays with the wait, so expire ticks release protection
+        estimator = ReturnEstimator(prior=Prior(median_s=10.0, sigma=1.0, never=0.5, weight=4.0))
+        res = Residency(4096, clock, estimator=estimator)
+        AgentEviction(res)
+        res.array_rank_min, res.log = array_rank_min, []
+        sides.append((clock, res))
+    seqs: dict[int, list[int]] = {}
+    decays = 0
+    for op, who, cls, hint, dt in ops:
+        k = key(f"t{who}")
+        if op == "respond":
+            seq = seqs.setdefault(who, [1000 * who + 1])
+            seq.append(seq[-1] * 3 + 1)
+        for clock, res in sides:
+            clock.t += dt
+            if op == "request":
+                res.on_request(k)
+            elif op == "respond":
+                if res.registry.get(k) is None or res.registry.get(k).state is not State.RUNNING:
+                    res.on_request(k)
+                res.on_response(k, list(seqs[who]), State.PAUSED_TOOL if cls else State.WAITING_HUMAN,
+                                cls or "human", hint)
+            elif op == "event" and res.registry.get(k) is not None:
+                res.on_event(k, [Event.TOOL_FINISHED, Event.TOOL_STARTED, Event.TRAJECTORY_FINISHED][who % 3], cls, hint)
+            else:
+                res.expire()
+        (clock, arrays), (_, scalar) = sides
+        now = clock()
+        assert arrays.log == scalar.log
+        decays = sum(1 for e in arrays.log if e[1] == "decayed")
+        want = [t.key for t in scalar.ranked(now)]
+        assert [t.key for t in arrays.ranked(now)] == want
+        assert [t.key for t in sorted(arrays.protected.values(), key=lambda t: arrays.rank(t, now))] == want
+        for (t, got), (_, ref) in zip(arrays.ranks(now), scalar.ranks(now), strict=True):
+            assert got == pytest.approx(ref, abs=1e-12)
+    event("decay releases: " + ("some" if decays else "none"))

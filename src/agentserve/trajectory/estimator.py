@@ -15,6 +15,8 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 OTHER = "other"
 
 
@@ -43,6 +45,8 @@ class _Class:
     num_censored: int = 0
     open: list[float] | None = None  # per bin: pauses still open, at their wait so far
     _survival: list[float] | None = None  # S at each bin's upper edge, cached
+    _survival_np: np.ndarray | None = None  # the same as an array, while _survival is that list
+    _survival_np_of: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -54,6 +58,7 @@ class ReturnEstimator:
     max_classes: int = 16
     grid: tuple[float, ...] = field(default_factory=log_grid)
     _classes: dict[str, _Class] = field(default_factory=dict)
+    _grid_array: np.ndarray | None = None
 
     def class_of(self, name: str) -> str:
         if name in self._classes or len(self._classes) < self.max_classes - 1 or name == OTHER:
@@ -105,12 +110,12 @@ class ReturnEstimator:
         for name, c in self._classes.items():
             if c.open is not None and name not in waits:
                 c.open, c._survival = None, None
+        grid = self._grid_np()
         for name, ws in waits.items():
             c = self._get(name)
-            bins = [0.0] * len(c.events)
-            for w in ws:
-                bins[self._bin(w)] += 1.0
-            c.open, c._survival = bins, None
+            # _bin of each wait, counted (bisect_right over the grid, as searchsorted "right")
+            k = np.searchsorted(grid, np.maximum(np.asarray(ws, dtype=np.float64), 0.0), side="right")
+            c.open, c._survival = np.bincount(k, minlength=len(c.events)).astype(np.float64).tolist(), None
 
     def _survival(self, c: _Class) -> list[float]:
         if c._survival is None:
@@ -143,6 +148,41 @@ class ReturnEstimator:
         else:
             frac = math.log(max(t_s, lo_t) / lo_t) / math.log(hi_t / lo_t)
         return lo_s + (hi_s - lo_s) * min(1.0, max(0.0, frac))
+
+    def survival_many(self, name: str, t_s: np.ndarray) -> np.ndarray:
+        """survival() at each of an array of times, the same interpolation in array operations
+        (the eviction order's sort: one call per class instead of one per trajectory)."""
+        c = self._get(name)
+        s_list = self._survival(c)
+        if c._survival_np is None or c._survival_np_of is not s_list:
+            c._survival_np, c._survival_np_of = np.asarray(s_list, dtype=np.float64), s_list
+        s, grid = c._survival_np, self._grid_np()
+        n = len(grid)
+        k = np.searchsorted(grid, np.maximum(t_s, 0.0), side="right")
+        hi = np.minimum(k, n - 1)
+        lo = np.maximum(k - 1, 0)
+        inner = k > 0
+        lo_t = np.where(inner, grid[lo], 0.0)
+        lo_s = np.where(inner, s[lo], 1.0)
+        hi_t, hi_s = grid[hi], s[hi]
+        safe_lo = np.where(inner, lo_t, 1.0)
+        with np.errstate(divide="ignore", invalid="ignore"):  # past the grid (lo = hi): replaced below
+            frac = np.where(inner, np.log(np.maximum(t_s, safe_lo) / safe_lo) / np.log(hi_t / safe_lo), t_s / hi_t)
+        out = lo_s + (hi_s - lo_s) * np.clip(frac, 0.0, 1.0)
+        return np.where(k >= n, s[-1], out)
+
+    def _grid_np(self) -> np.ndarray:
+        g = self._grid_array
+        if g is None:
+            g = self._grid_array = np.asarray(self.grid, dtype=np.float64)
+        return g
+
+    def p_return_within_many(self, name: str, waited_s: np.ndarray, horizon_s: float) -> np.ndarray:
+        """p_return_within() for an array of waits, one horizon."""
+        now = self.survival_many(name, waited_s)
+        later = self.survival_many(name, waited_s + horizon_s)
+        alive = now > 1e-12
+        return np.where(alive, np.maximum(0.0, (now - later) / np.where(alive, now, 1.0)), 0.0)
 
     def samples(self, name: str) -> int:
         """Pauses of this class seen so far (returned and censored), the prior not counted."""

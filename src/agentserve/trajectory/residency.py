@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from agentserve.kv.tombstones import Tombstones
 from agentserve.trajectory.estimator import ReturnEstimator
 from agentserve.trajectory.events import Event, Outcome
@@ -89,6 +91,70 @@ class _Pause:
     returned_s: float | None = None  # tool_finished came before its request: observed then
 
 
+_RUNNING, _NO_PAUSE, _CLASS, _HINT, _UNUSED = 0, 1, 2, 3, -1  # what a row's rank is computed from
+
+
+class _RankTable:
+    """The protected trajectories' rank inputs, one row each, as arrays, so that the eviction
+    order is computed with a few array operations per pause class rather than a Python call per
+    trajectory (with thousands protected, that call was ~85% of the simulator's time). A row
+    holds what `p_keep` reads: running, no open pause, or its pause's start, class and hint.
+    Rows are refreshed lazily: every lifecycle call touches its key, and a sort refreshes the
+    touched rows first. `seq` is the order of protection, the tie-break (as in the dict)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[TrajectoryKey, int] = {}
+        self.traj: list[Trajectory | None] = []
+        self.free: list[int] = []
+        self.dirty: set[TrajectoryKey] = set()
+        self.kind = np.full(0, _UNUSED, dtype=np.int8)
+        self.cls = np.zeros(0, dtype=np.int32)
+        self.start = np.zeros(0)
+        self.expected = np.zeros(0)
+        self.seq = np.zeros(0, dtype=np.int64)
+        self.class_index: dict[str, int] = {}
+        self.class_names: list[str] = []
+        self._next_seq = 0
+
+    def add(self, t: Trajectory) -> None:
+        if self.free:
+            row = self.free.pop()
+        else:
+            row = len(self.traj)
+            self.traj.append(None)
+            if row >= len(self.kind):  # grow every array by doubling
+                size = max(64, 2 * len(self.kind))
+                self.kind = np.concatenate([self.kind, np.full(size - len(self.kind), _UNUSED, dtype=np.int8)])
+                for name in ("cls", "start", "expected", "seq"):
+                    a = getattr(self, name)
+                    setattr(self, name, np.concatenate([a, np.zeros(size - len(a), dtype=a.dtype)]))
+        self.rows[t.key] = row
+        self.traj[row] = t
+        self.seq[row] = self._next_seq
+        self._next_seq += 1
+        self.dirty.add(t.key)
+
+    def remove(self, key: TrajectoryKey) -> None:
+        row = self.rows.pop(key, None)
+        if row is None:
+            return
+        self.traj[row] = None
+        self.kind[row] = _UNUSED
+        self.free.append(row)
+        self.dirty.discard(key)
+
+    def touch(self, key: TrajectoryKey) -> None:
+        if key in self.rows:
+            self.dirty.add(key)
+
+    def class_of(self, name: str) -> int:
+        i = self.class_index.get(name)
+        if i is None:
+            i = self.class_index[name] = len(self.class_names)
+            self.class_names.append(name)
+        return i
+
+
 @dataclass(slots=True)
 class Residency:
     """Registry + return estimator + the state the eviction order needs (which hash is held by
@@ -124,6 +190,10 @@ class Residency:
     _churn_t: float | None = None
     _evictions_seen: int = 0
     _protected_blocks: int = 0  # hashes of protected trajectories' last sequences (stats)
+    _table: _RankTable = field(default_factory=_RankTable)  # protected: rank inputs as arrays
+    # from this many protected trajectories the order is computed over the arrays; below, a
+    # Python call per trajectory is cheaper than the array operations' fixed cost (same order)
+    array_rank_min: int = 48  # measured: 126 vs 179 us per sort at 32, 236 vs 164 at 64
 
     def attach(self, pool: PoolView) -> None:
         self.pool = pool
@@ -156,6 +226,7 @@ class Residency:
                    session: str | None = None) -> Trajectory:
         start = self.timer()
         now = self.clock()
+        self._table.touch(key)
         self._close(key, "returned", now)
         # Still protected, now at full value: a request that waits in the queue needs its
         # blocks next (they leave the eviction order once the scheduler takes them); its
@@ -175,6 +246,7 @@ class Residency:
         `hashes` were its prompt's (for identify)."""
         start = self.timer()
         now = self.clock()
+        self._table.touch(key)
         cls = self.estimator.class_of(pause_class) if pause_class is not None else None
         old = self.protected.get(key)
         grown = None  # the new sequence extends the protected old one: only its new blocks change
@@ -213,6 +285,7 @@ class Residency:
         (model_started opens one)."""
         start = self.timer()
         now = self.clock()
+        self._table.touch(key)
         t = self.registry.get(key)
         try:
             if t is None:
@@ -292,16 +365,30 @@ class Residency:
         """A paused trajectory whose P(return within the horizon), given its wait so far, fell
         below release_below loses its protection now, as it would have at a pause with that P.
         Its pause stays open (a return is still observed and settled)."""
-        fresh_of: dict[str, float] = {}
         below = self.config.release_below
-        for key, t in list(self.protected.items()):
-            pause = self._pauses.get(key)
+        if len(self.protected) < self.array_rank_min:
+            fresh_of: dict[str, float] = {}
+            for key, t in list(self.protected.items()):
+                pause = self._pauses.get(key)
+                if pause is None or pause.returned_s is not None or not t.paused:
+                    continue
+                if self.p_keep(t, now, fresh_of) < below:
+                    self._unprotect(key, "protection_decayed")
+                    if self.log is not None:
+                        self.log.append((now, "decayed", key.id))
+            return
+        tab = self._table
+        p = self._p_rows(now)
+        rows = np.flatnonzero(((tab.kind == _CLASS) | (tab.kind == _HINT)) & (p < below))
+        for row in rows[np.argsort(tab.seq[rows], kind="stable")].tolist():  # in protection order
+            t = tab.traj[row]
+            assert t is not None
+            pause = self._pauses.get(t.key)
             if pause is None or pause.returned_s is not None or not t.paused:
                 continue
-            if self.p_keep(t, now, fresh_of) < below:
-                self._unprotect(key, "protection_decayed")
-                if self.log is not None:
-                    self.log.append((now, "decayed", key.id))
+            self._unprotect(t.key, "protection_decayed")
+            if self.log is not None:
+                self.log.append((now, "decayed", t.key.id))
 
     def _prefetch_due(self, now: float) -> None:
         """Prefetch the paused trajectories likely back within the next window."""
@@ -347,13 +434,14 @@ class Residency:
         if self.tiers is not None and advice.action == "retain":
             advice = self._tier_advice(t, cls, advice, expected, now)
         self._pauses[t.key] = _Pause(start_s, cls, t.hashes, advice, expected)
+        self._table.touch(t.key)
         # A release unprotects it here; its lower copies stay (their space is not the pool's, and
         # the tiers' own bounds evict them): only an ended trajectory is deleted below.
         if advice.action == "retain":
             if t.key not in self.protected:
                 self._protect(t)
             if len(self.protected) > self.config.max_protected:  # the lowest-ranked one loses it
-                low = min(self.protected.values(), key=lambda x: self.rank(x, now))
+                low = self.ranked(now)[0]
                 self._unprotect(low.key, "protection_budget")
                 if low.key in self._pauses:
                     p = self._pauses[low.key]
@@ -366,8 +454,7 @@ class Residency:
             self._unprotect(t.key, "released_by_policy")
         t.advice = advice
         if self.on_pause is not None:
-            self.on_pause(t.key, start_s, [(x.key, self.rank(x, now)) for x in self.protected.values()
-                                           if x.key in self._pauses])
+            self.on_pause(t.key, start_s, [(x.key, key) for x, key in self.ranks(now) if x.key in self._pauses])
         if self.log is not None:
             self.log.append((now, "advice", t.key.id, cls, advice.action, round(advice.p_return, 9), len(t.hashes)))
         return advice
@@ -397,6 +484,7 @@ class Residency:
         pause = self._pauses.pop(key, None)
         if pause is None:
             return
+        self._table.touch(key)
         returned = outcome == "returned" or pause.returned_s is not None
         back = pause.returned_s if pause.returned_s is not None else now
         gap = back - pause.start_s
@@ -440,6 +528,7 @@ class Residency:
         assert t.key not in self.protected
         self.version += 1
         self.protected[t.key] = t
+        self._table.add(t)
         holders = self.holders
         for h in t.hashes:
             holders[h] = holders.get(h, 0) + 1
@@ -453,6 +542,7 @@ class Residency:
         t = self.protected.pop(key, None)
         if t is None:
             return
+        self._table.remove(key)
         self.version += 1
         holders = self.holders
         exposed = []
@@ -542,6 +632,85 @@ class Residency:
         p = self.p_keep(t, now, fresh_of)
         pause = self._pauses.get(t.key)
         return (round(p, 2), now if t.state is State.RUNNING or pause is None else pause.start_s)
+
+    def _refresh(self) -> None:
+        """Rewrite the rows of the protected trajectories touched since the last sort."""
+        tab = self._table
+        for key in tab.dirty:
+            row = tab.rows[key]
+            t = tab.traj[row]
+            assert t is not None
+            pause = self._pauses.get(key)
+            if t.state is State.RUNNING:
+                tab.kind[row] = _RUNNING
+            elif pause is None:
+                tab.kind[row] = _NO_PAUSE
+            else:
+                tab.start[row] = pause.start_s
+                if pause.expected_return_s is not None:
+                    tab.kind[row], tab.expected[row] = _HINT, pause.expected_return_s
+                else:
+                    tab.kind[row], tab.cls[row] = _CLASS, tab.class_of(pause.pause_class)
+        tab.dirty.clear()
+
+    def _p_rows(self, now: float) -> np.ndarray:
+        """p_keep of every row of the table (0 for unused rows), in array operations: per pause
+        class one survival lookup over all its waits; a hint's P from its expected return."""
+        self._refresh()
+        tab = self._table
+        kind = tab.kind
+        p = np.zeros(len(kind))
+        p[kind == _RUNNING] = 1.0
+        h = self.horizon_s()
+        hinted = np.flatnonzero(kind == _HINT)
+        if len(hinted):
+            left, left0 = tab.expected[hinted] - now, tab.expected[hinted] - tab.start[hinted]
+            with np.errstate(divide="ignore"):
+                waited = np.where(left <= h, 1.0, h / left)
+                fresh = np.where(left0 <= h, 1.0, h / left0)
+            p[hinted] = np.minimum(fresh, waited)
+        by_class = np.flatnonzero(kind == _CLASS)
+        if len(by_class):
+            classes = tab.cls[by_class]
+            for ci in np.unique(classes).tolist():
+                rows = by_class[classes == ci]
+                # the fresh pause's P (wait 0) in the same lookup as every row's wait
+                both = self.estimator.p_return_within_many(
+                    tab.class_names[ci], np.concatenate(([0.0], now - tab.start[rows])), h)
+                p[rows] = np.minimum(both[0], both[1:])
+        return p
+
+    def ranks(self, now: float) -> list[tuple[Trajectory, tuple[float, float]]]:
+        """Every protected trajectory with its rank (see `rank`), lowest first; ties in the
+        order they were protected."""
+        if len(self.protected) < self.array_rank_min:
+            fresh_of: dict[str, float] = {}
+            return sorted(((t, self.rank(t, now, fresh_of)) for t in self.protected.values()), key=lambda x: x[1])
+        tab = self._table
+        p = self._p_rows(now)
+        used = np.flatnonzero(tab.kind != _UNUSED)
+        key1 = np.round(p[used], 2)
+        paused = (tab.kind[used] == _CLASS) | (tab.kind[used] == _HINT)
+        key2 = np.where(paused, tab.start[used], now)
+        order = used[np.lexsort((tab.seq[used], key2, key1))]
+        k1, k2 = np.round(p[order], 2).tolist(), np.where(
+            (tab.kind[order] == _CLASS) | (tab.kind[order] == _HINT), tab.start[order], now).tolist()
+        traj = tab.traj
+        return [(traj[row], (a, b)) for row, a, b in zip(order.tolist(), k1, k2)]  # type: ignore[misc]
+
+    def ranked(self, now: float) -> list[Trajectory]:
+        """Protected trajectories, lowest rank first (the eviction order's walk)."""
+        if len(self.protected) < self.array_rank_min:
+            fresh_of: dict[str, float] = {}
+            return sorted(self.protected.values(), key=lambda t: self.rank(t, now, fresh_of))
+        tab = self._table
+        p = self._p_rows(now)
+        used = np.flatnonzero(tab.kind != _UNUSED)
+        kind = tab.kind[used]
+        key2 = np.where((kind == _CLASS) | (kind == _HINT), tab.start[used], now)
+        order = used[np.lexsort((tab.seq[used], key2, np.round(p[used], 2)))]
+        traj = tab.traj
+        return [traj[row] for row in order.tolist()]  # type: ignore[misc]  # a list: walks iterate it often
 
     # views -----------------------------------------------------------------------------
     def describe(self, key: TrajectoryKey) -> dict[str, object] | None:
@@ -661,8 +830,7 @@ class AgentEviction:
         was most of the policy's cost."""
         res = self.residency
         if res.version != self._order_version or now - self._order_t > res.config.reorder_s:
-            fresh_of: dict[str, float] = {}  # one unconditioned P per class for the whole sort
-            self._order = sorted(res.protected.values(), key=lambda t: res.rank(t, now, fresh_of))
+            self._order = res.ranked(now)
             self._order_version, self._order_t = res.version, now
         return self._order
 
