@@ -18,18 +18,15 @@ void rope_store_bf16(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
                      int64_t kv_heads, const at::Tensor& slots, at::Tensor& k_cache, at::Tensor& v_cache);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The kernels run without the GIL, as torch's own ops do: a step spends most of its time in
-  // them, and the HTTP thread and the grammar workers need the GIL meanwhile.
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("decode_attention", &decode_attention, "paged decode attention (CPU)", nogil);
-  m.def("prefill_attention", &prefill_attention, "paged causal prefill attention over a cached context (CPU)", nogil);
-  m.def("small_linear_bf16", &small_linear_bf16, "few-row bf16 linear: x W^T + b (CPU, AVX512-BF16)", nogil);
+  m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
+  m.def("prefill_attention", &prefill_attention, "paged causal prefill attention over a cached context (CPU)");
+  m.def("small_linear_bf16", &small_linear_bf16, "few-row bf16 linear: x W^T + b (CPU, AVX512-BF16)");
   m.def("has_bf16_small_linear", &has_bf16_small_linear, "whether small_linear_bf16 was compiled");
   m.def("small_linear_rows", &small_linear_rows, "the most rows worth sending to small_linear_bf16 for width K");
-  m.def("decode_attention_bf16", &decode_attention_bf16, "paged decode attention in bf16 via the prefill micro kernel (CPU)", nogil);
-  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of each row, bf16 (CPU)", nogil);
-  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "h += d in place, then RMSNorm of h, bf16 (CPU)", nogil);
-  m.def("rope_store_bf16", &rope_store_bf16, "RoPE on q and k in a fused qkv row, in place, and the K/V cache write, bf16 (CPU)", nogil);
-  m.def("silu_mul_bf16", &silu_mul_bf16, "SiLU(gate) * up over the fused gate and up projections, bf16 (CPU)", nogil);
+  m.def("decode_attention_bf16", &decode_attention_bf16, "paged decode attention in bf16 via the prefill micro kernel (CPU)");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of each row, bf16 (CPU)");
+  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "h += d in place, then RMSNorm of h, bf16 (CPU)");
+  m.def("rope_store_bf16", &rope_store_bf16, "RoPE on q and k in a fused qkv row, in place, and the K/V cache write, bf16 (CPU)");
+  m.def("silu_mul_bf16", &silu_mul_bf16, "SiLU(gate) * up over the fused gate and up projections, bf16 (CPU)");
   m.def("has_bf16_micro_kernel", &has_bf16_micro_kernel, "whether bf16 prefill uses the AVX512-BF16 kernel");
 }
