@@ -258,7 +258,8 @@ class Transformer:
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qkv = layer.qkv(x)
         v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
-        if self.fused_norm_rope and layer.q_norm is None:  # rotated in place, K/V written to the pool
+        fused = self.fused_norm_rope and layer.q_norm is None  # rotated in place, K/V written to the pool
+        if fused:
             self.kernels.rope_store(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, write_slots, k_cache, v_cache)
             q = qkv[:, :q_size].view(n, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
@@ -270,7 +271,7 @@ class Transformer:
         else:  # q and k rotated in one pass: half the small ops of a decode step's RoPE
             qk = apply_rope(qkv[:, : q_size + kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-        if not (self.fused_norm_rope and layer.q_norm is None):
+        if not fused:
             k_cache.index_copy_(0, write_slots, k)
             v_cache.index_copy_(0, write_slots, v)
         if decode is not None and decode.rows.shape[0] == n:  # a decode-only step: rows 0..n-1 in order

@@ -45,8 +45,7 @@ class _Class:
     num_censored: int = 0
     open: list[float] | None = None  # per bin: pauses still open, at their wait so far
     _survival: list[float] | None = None  # S at each bin's upper edge, cached
-    _survival_np: np.ndarray | None = None  # the same as an array, while _survival is that list
-    _survival_np_of: list[float] | None = None
+    _survival_np: np.ndarray | None = None  # the same as an array, set with it
 
 
 @dataclass(slots=True)
@@ -128,7 +127,7 @@ class ReturnEstimator:
                     s *= max(0.0, 1.0 - d / exposed)
                 out.append(s)
                 at_risk -= d + q
-            c._survival = out
+            c._survival, c._survival_np = out, np.asarray(out, dtype=np.float64)
         return c._survival
 
     def survival(self, name: str, t_s: float) -> float:
@@ -153,10 +152,9 @@ class ReturnEstimator:
         """survival() at each of an array of times, the same interpolation in array operations
         (the eviction order's sort: one call per class instead of one per trajectory)."""
         c = self._get(name)
-        s_list = self._survival(c)
-        if c._survival_np is None or c._survival_np_of is not s_list:
-            c._survival_np, c._survival_np_of = np.asarray(s_list, dtype=np.float64), s_list
+        self._survival(c)
         s, grid = c._survival_np, self._grid_np()
+        assert s is not None
         n = len(grid)
         k = np.searchsorted(grid, np.maximum(t_s, 0.0), side="right")
         hi = np.minimum(k, n - 1)

@@ -368,20 +368,13 @@ class Residency:
         below = self.config.release_below
         if len(self.protected) < self.array_rank_min:
             fresh_of: dict[str, float] = {}
-            for key, t in list(self.protected.items()):
-                pause = self._pauses.get(key)
-                if pause is None or pause.returned_s is not None or not t.paused:
-                    continue
-                if self.p_keep(t, now, fresh_of) < below:
-                    self._unprotect(key, "protection_decayed")
-                    if self.log is not None:
-                        self.log.append((now, "decayed", key.id))
-            return
-        tab = self._table
-        p = self._p_rows(now)
-        rows = np.flatnonzero(((tab.kind == _CLASS) | (tab.kind == _HINT)) & (p < below))
-        for row in rows[np.argsort(tab.seq[rows], kind="stable")].tolist():  # in protection order
-            t = tab.traj[row]
+            low = [t for t in self.protected.values() if self.p_keep(t, now, fresh_of) < below]
+        else:  # the same P over the table's arrays, in protection order
+            tab = self._table
+            p = self._p_rows(now)
+            rows = np.flatnonzero(((tab.kind == _CLASS) | (tab.kind == _HINT)) & (p < below))
+            low = [tab.traj[row] for row in rows[np.argsort(tab.seq[rows], kind="stable")].tolist()]
+        for t in low:
             assert t is not None
             pause = self._pauses.get(t.key)
             if pause is None or pause.returned_s is not None or not t.paused:
@@ -680,37 +673,35 @@ class Residency:
                 p[rows] = np.minimum(both[0], both[1:])
         return p
 
+    def _sorted_rows(self, now: float) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """The table's used rows lowest rank first (ties in protection order), and their rank
+        keys: P to two decimals, then the pause's start (now for a row with no open pause)."""
+        tab = self._table
+        p = self._p_rows(now)
+        used = np.flatnonzero(tab.kind != _UNUSED)
+        kind = tab.kind[used]
+        key1 = np.round(p[used], 2)
+        key2 = np.where((kind == _CLASS) | (kind == _HINT), tab.start[used], now)
+        order = np.lexsort((tab.seq[used], key2, key1))
+        return used[order].tolist(), key1[order], key2[order]
+
     def ranks(self, now: float) -> list[tuple[Trajectory, tuple[float, float]]]:
         """Every protected trajectory with its rank (see `rank`), lowest first; ties in the
         order they were protected."""
         if len(self.protected) < self.array_rank_min:
             fresh_of: dict[str, float] = {}
             return sorted(((t, self.rank(t, now, fresh_of)) for t in self.protected.values()), key=lambda x: x[1])
-        tab = self._table
-        p = self._p_rows(now)
-        used = np.flatnonzero(tab.kind != _UNUSED)
-        key1 = np.round(p[used], 2)
-        paused = (tab.kind[used] == _CLASS) | (tab.kind[used] == _HINT)
-        key2 = np.where(paused, tab.start[used], now)
-        order = used[np.lexsort((tab.seq[used], key2, key1))]
-        k1, k2 = np.round(p[order], 2).tolist(), np.where(
-            (tab.kind[order] == _CLASS) | (tab.kind[order] == _HINT), tab.start[order], now).tolist()
-        traj = tab.traj
-        return [(traj[row], (a, b)) for row, a, b in zip(order.tolist(), k1, k2)]  # type: ignore[misc]
+        rows, key1, key2 = self._sorted_rows(now)
+        traj = self._table.traj
+        return [(traj[row], (a, b)) for row, a, b in zip(rows, key1.tolist(), key2.tolist())]  # type: ignore[misc]
 
     def ranked(self, now: float) -> list[Trajectory]:
         """Protected trajectories, lowest rank first (the eviction order's walk)."""
         if len(self.protected) < self.array_rank_min:
             fresh_of: dict[str, float] = {}
             return sorted(self.protected.values(), key=lambda t: self.rank(t, now, fresh_of))
-        tab = self._table
-        p = self._p_rows(now)
-        used = np.flatnonzero(tab.kind != _UNUSED)
-        kind = tab.kind[used]
-        key2 = np.where((kind == _CLASS) | (kind == _HINT), tab.start[used], now)
-        order = used[np.lexsort((tab.seq[used], key2, np.round(p[used], 2)))]
-        traj = tab.traj
-        return [traj[row] for row in order.tolist()]  # type: ignore[misc]  # a list: walks iterate it often
+        traj = self._table.traj
+        return [traj[row] for row in self._sorted_rows(now)[0]]  # type: ignore[misc]  # a list: walks iterate it often
 
     # views -----------------------------------------------------------------------------
     def describe(self, key: TrajectoryKey) -> dict[str, object] | None:
