@@ -369,3 +369,99 @@ def test_the_array_order_is_the_order_rank_defines(ops):
         for (t, got), (_, ref) in zip(arrays.ranks(now), scalar.ranks(now), strict=True):
             assert got == pytest.approx(ref, abs=1e-12)
     event("decay releases: " + ("some" if decays else "none"))
+
+
+# ── the walk against a naive order of the held blocks ───────────────────────────────────────
+def naive_victims(ev: AgentEviction, res: Residency, pool: BlockPool, n: int) -> list[int]:
+    """What the eviction order must give for n blocks, from its definition alone: unprotected
+    free blocks least recently freed first; then every free block some protected trajectory
+    holds, ordered by its most valuable holder's place in the full order (lowest first) and,
+    within that holder, tail first. No marks, no windows."""
+    lru = list(ev._lru)[:n]
+    order = res.ranked(res.clock())
+    held = [b for b in range(pool.num_blocks)
+            if pool.ref_count(b) == 0 and pool.block_hash(b) in res.holders]
+    assert sorted(held) == sorted(ev._held), "held = the free blocks a protected trajectory holds"
+    keyed = []
+    for b in held:
+        h = pool.block_hash(b)
+        pos, top = max((i, t) for i, t in enumerate(order) if h in t.hashes)
+        keyed.append(((pos, -top.hashes.index(h)), b))
+    return lru + [b for _, b in sorted(keyed)][: n - len(lru)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["turn", "turn", "start", "finish", "end", "tick", "take", "preempted"]),
+                          st.integers(0, 3), st.integers(0, 1), st.integers(1, 6),
+                          st.sampled_from(["fast", "slow", "human"]), st.sampled_from([0.0, 1.5])),
+                min_size=10, max_size=70))
+def test_the_walk_evicts_in_the_order_its_definition_gives(ops):
+    """The walk's shortcuts (tail and head marks, windows of lookups) must not change a victim. Random
+    trajectories share prefixes by group, pause, run concurrently (their blocks in use under
+    others' protection), finish, end and expire, and preempted requests free blocks with no
+    lifecycle call, in a pool small enough to evict often; every pop is checked against
+    `naive_victims` taken just before it."""
+    clock, res, ev, pool = setup(10, budget=1.0)
+    for _ in range(10):
+        res.estimator.observe_return("fast", 2.0)
+        res.estimator.observe_return("slow", 400.0)
+    checked = [0]
+    pop = ev.pop
+
+    def checked_pop(n: int) -> list[int]:
+        held_before = len(ev._lru) < n
+        want = naive_victims(ev, res, pool, n)
+        got = pop(n)
+        assert got == want
+        checked[0] += held_before  # pops that reached protected blocks
+        return got
+
+    ev.pop = checked_pop  # type: ignore[method-assign]
+    running: dict[str, tuple[list[int], list[int]]] = {}  # name -> (hashes, blocks) in use
+    lengths: dict[str, int] = {}
+    for op, who, group, n, cls, dt in ops:
+        name = f"t{who}"
+        clock.t += dt  # 0: several calls at one moment (the order is not sorted again by time)
+        if op == "tick":
+            clock.t += 50.0
+            res.expire()
+        elif op == "end":
+            res.on_end(key(name), State.FINISHED)
+        elif op == "take":  # an anonymous allocation that evicts
+            want = min(n, pool.num_free_blocks)
+            if want:
+                pool.free(pool.allocate(want))
+        elif op == "preempted":  # computes part of a group's head, freed with no response
+            hashes = [10_000 * group + i for i in range(n)]
+            hit = pool.match_prefix(hashes)
+            if len(hashes) - len(hit) <= pool.num_free_blocks - pool.count_free(hit):
+                pool.lock(hit)
+                blocks = hit + pool.allocate(len(hashes) - len(hit))
+                pool.insert_many(blocks[len(hit):], hashes[len(hit):])
+                pool.free(list(reversed(blocks)))
+        elif op in ("turn", "start") and name not in running:
+            length = lengths.get(name, 0) + n  # each turn extends its sequence
+            # the group's shared head (so others compute again what a mark skips, or hold it
+            # in use under another's protection), then the trajectory's own blocks
+            hashes = [10_000 * group + i for i in range(min(length, 8))] + \
+                [100 * (who + 1) + i for i in range(max(0, length - 8))]
+            res.on_request(key(name))
+            hit = pool.match_prefix(hashes)
+            if len(hashes) - len(hit) > pool.num_free_blocks - pool.count_free(hit):
+                continue
+            pool.lock(hit)
+            blocks = hit + pool.allocate(len(hashes) - len(hit))
+            pool.insert_many(blocks[len(hit):], hashes[len(hit):])
+            lengths[name] = length
+            running[name] = (hashes, blocks)
+            if op == "turn":
+                op = "finish"
+        if op == "finish" and name in running:
+            hashes, blocks = running.pop(name)
+            state = State.WAITING_HUMAN if cls == "human" else State.PAUSED_TOOL
+            res.on_response(key(name), hashes, state, cls)
+            pool.free(list(reversed(blocks)))
+        pool.check()
+    event("pops of protected blocks: " + ("10+" if checked[0] >= 10 else "1-9" if checked[0] else "0"))
+    event("marks used: " + ("yes" if ev._heads or ev._gone else "no"))
+

@@ -169,7 +169,8 @@ class Residency:
     timer: Callable[[], float] = time.perf_counter  # measures the policy's own cost
     holders: dict[BlockHash, int] = field(default_factory=dict)  # protected trajectories holding it
     protected: dict[TrajectoryKey, Trajectory] = field(default_factory=dict)
-    listener: Callable[[Sequence[BlockHash]], None] | None = None  # hashes whose holders changed
+    # called with a trajectory whose protection changed and the hashes whose holders changed
+    listener: Callable[[TrajectoryKey, Sequence[BlockHash]], None] | None = None
     on_receipt: Callable[[DecisionReceipt], None] | None = None
     log: list[tuple[object, ...]] | None = None  # when a list: every decision, in order (tests)
     # when set: at every pause, the new pause and the eviction-order key of every protected
@@ -515,7 +516,7 @@ class Residency:
             holders[h] = holders.get(h, 0) + 1
         self._protected_blocks += len(new)
         if self.listener is not None:
-            self.listener(new)
+            self.listener(t.key, new)
 
     def _protect(self, t: Trajectory) -> None:
         assert t.key not in self.protected
@@ -527,7 +528,7 @@ class Residency:
             holders[h] = holders.get(h, 0) + 1
         self._protected_blocks += len(t.hashes)
         if self.listener is not None:
-            self.listener(t.hashes)
+            self.listener(t.key, t.hashes)
 
     def _unprotect(self, key: TrajectoryKey, cause: str | None = None) -> None:
         """Its protection ends. cause: noted in the pool's tombstones for the blocks nobody
@@ -551,7 +552,7 @@ class Residency:
             pool.tombstones.note(exposed, cause)
         self._protected_blocks -= len(t.hashes)
         if self.listener is not None:
-            self.listener(t.hashes)
+            self.listener(t.key, t.hashes)
 
     # value -----------------------------------------------------------------------------
     def _churn(self) -> float:
@@ -741,56 +742,97 @@ class AgentEviction:
     def __init__(self, residency: Residency) -> None:
         self.residency = residency
         residency.listener = self._holders_changed
-        self._hash: dict[BlockId, BlockHash] = {}
-        self._block: dict[BlockHash, BlockId] = {}
+        self._hash_of: Sequence[BlockHash | None] = ()  # the pool's, from push
         self._lru: OrderedDict[BlockId, None] = OrderedDict()  # unprotected, least recently freed first
         self._held: set[BlockId] = set()  # free, cached, held by a protected trajectory
         self.num_protected_evictions = 0
         self.num_budget_evictions = 0  # of those, taken before unprotected blocks (over the budget)
         self._order: list[Trajectory] = []
         self._order_version, self._order_t = -1, -math.inf
-        self._gone: dict[TrajectoryKey, tuple[tuple[BlockHash, ...], int]] = {}  # evicted tail marks
-        self._behind: dict[BlockHash, set[TrajectoryKey]] = {}  # hash -> marks that skip it
+        # Marks, per protection (dropped whenever its protection changes): a tail mark (hashes,
+        # i) says hashes[i:] are not in the pool, a head mark (hashes, j) that none of hashes[:j]
+        # was a held block (in use, or not cached) when the walk last passed it; the walk goes
+        # from i down to j. Each hash a mark skips is registered, so that its push (computed
+        # again, or freed) undoes the mark: in _behind1/_ahead1 when the walk saw it with one
+        # holder (that trajectory: a second registrant then means the first is no longer
+        # protected), else in the sets of _behind/_ahead.
+        self._gone: dict[TrajectoryKey, tuple[tuple[BlockHash, ...], int]] = {}
+        self._heads: dict[TrajectoryKey, tuple[tuple[BlockHash, ...], int]] = {}
+        self._behind1: dict[BlockHash, TrajectoryKey] = {}
+        self._ahead1: dict[BlockHash, TrajectoryKey] = {}
+        self._behind: dict[BlockHash, set[TrajectoryKey]] = {}
+        self._ahead: dict[BlockHash, set[TrajectoryKey]] = {}
 
     def push(self, block_ids: Sequence[BlockId], hash_of: Sequence[BlockHash | None]) -> None:
-        holders, behind = self.residency.holders, self._behind
-        for b in block_ids:
-            h = hash_of[b]
-            assert h is not None
-            self._hash[b] = h
-            self._block[h] = b
-            if h in holders:
-                self._held.add(b)
-                if behind:
-                    for key in behind.pop(h, ()):  # computed again behind its holders' marks
-                        self._gone.pop(key, None)
-            else:
-                self._lru[b] = None
+        # hash_of is the pool's own list: a block's entry stays valid while the block is here
+        # (the pool clears it only after pop), so remove and pop read hashes from it too
+        assert self.residency.pool is not None, "attach the pool to the residency before it frees blocks"
+        self._hash_of = hash_of
+        hashes = list(map(hash_of.__getitem__, block_ids))
+        assert None not in hashes, "only cached blocks are pushed"
+        holders, lru, held = self.residency.holders, self._lru, self._held
+        protected = list(map(holders.__contains__, hashes))
+        if not any(protected):
+            for b in block_ids:
+                lru[b] = None
+            return
+        if all(protected):
+            held.update(block_ids)
+        else:
+            for b, p in zip(block_ids, protected):
+                if p:
+                    held.add(b)
+                else:
+                    lru[b] = None
+        # a protected hash computed again: undo the marks that skip it (an extra undo is harmless)
+        self._undo(hashes)
+
+    def _undo(self, hashes: Sequence[BlockHash]) -> None:
+        """Drop the marks that skip any of these hashes."""
+        for one in (self._behind1, self._ahead1):
+            if one:
+                for h in one.keys() & hashes:
+                    self._unmark(one.pop(h))
+        for many in (self._behind, self._ahead):
+            if many:
+                for h in many.keys() & hashes:
+                    for key in many.pop(h):
+                        self._unmark(key)
+
+    def _unmark(self, key: TrajectoryKey) -> None:
+        self._gone.pop(key, None)
+        self._heads.pop(key, None)
 
     def remove(self, block_ids: Sequence[BlockId]) -> None:
-        for b in block_ids:
-            h = self._hash.pop(b)
-            del self._block[h]
-            if b in self._held:
-                self._held.discard(b)
-            else:
-                del self._lru[b]
+        held = self._held
+        before = len(held)
+        held.difference_update(block_ids)
+        if before - len(held) < len(block_ids):
+            lru = self._lru
+            for b in block_ids:
+                lru.pop(b, None)
 
-    def _holders_changed(self, hashes: Sequence[BlockHash]) -> None:
-        holders = self.residency.holders
+    def _holders_changed(self, key: TrajectoryKey, hashes: Sequence[BlockHash]) -> None:
+        self._unmark(key)  # its protection changed: marks start again
+        holders, pool = self.residency.holders, self.residency.pool
+        if pool is None or not (self._lru or self._held):
+            return
+        # (a block moving from lru to held here is under no live mark: a mark's trajectory holds
+        # every hash it skips, so such a block would have been held already)
+        index, lru, held = pool.index, self._lru, self._held
         for h in hashes:
-            b = self._block.get(h)
+            b = index.get(h)
             if b is None:
                 continue
             if h in holders:
-                if b not in self._held:
-                    del self._lru[b]
-                    self._held.add(b)
-            elif b in self._held:
-                self._held.discard(b)
+                if b in lru:  # free and newly held
+                    del lru[b]
+                    held.add(b)
+            elif b in held:
+                held.discard(b)
                 # released: as if freed now (at the head instead measured no different on the
                 # odd Claude Code files: a finished sub-agent's blocks serve the next one's prompt)
-                self._lru[b] = None
+                lru[b] = None
 
     def pop(self, n: int) -> list[BlockId]:
         res = self.residency
@@ -810,9 +852,8 @@ class AgentEviction:
             res._timed(start)
         log = self.residency.log
         if log is not None:
-            log.append((self.residency.clock(), "evict", tuple(self._hash[b] for b in out)))
-        for b in out:
-            del self._block[self._hash.pop(b)]
+            hash_of = self._hash_of
+            log.append((self.residency.clock(), "evict", tuple(hash_of[b] for b in out)))
         return out
 
     def _ranked(self, now: float) -> list[Trajectory]:
@@ -830,57 +871,131 @@ class AgentEviction:
         valuable holder, i.e. once every less valuable holder has been passed. Each
         trajectory's evicted tail is skipped from where the last walk found it (`_gone`); a
         walk that comes up short (a block published again behind that mark) walks again in full.
-        Without a pool attached there are no marks (the tail's blocks may only be in use)."""
-        out = self._walk(n, self._gone if self.residency.pool is not None else None)
+        Each trajectory's head below its held blocks (in use by other requests, or not cached)
+        is skipped up to its head mark (`_heads`)."""
+        res = self.residency
+        # stale entries of released trajectories: past twice what the protected hold, start over
+        # (marks are only a shortcut; a walk that sets them again costs what one without them does)
+        registered = len(self._behind1) + len(self._ahead1) + len(self._behind) + len(self._ahead)
+        if registered > 2 * res._protected_blocks + 4 * res.num_blocks or len(self._heads) > 4 * len(res.protected) + 64:
+            self._clear_marks()
+        out = self._walk(n, self._gone)
         if len(out) < n:
-            self._gone.clear()
-            self._behind.clear()
+            self._clear_marks()
             out += self._walk(n - len(out), None)
         if len(out) < n:  # every held block's hash has a protected holder: unreachable
             raise AssertionError(f"asked for {n} held blocks, found {len(out)}")
         self.num_protected_evictions += n
         return out
 
+    def _clear_marks(self) -> None:
+        for d in (self._gone, self._heads, self._behind1, self._ahead1, self._behind, self._ahead):
+            d.clear()
+
+    def _register(self, key: TrajectoryKey, hashes: Sequence[BlockHash], one: dict[BlockHash, TrajectoryKey],
+                  many: dict[BlockHash, set[TrajectoryKey]]) -> None:
+        """Note that a mark of key skips these hashes (see __init__)."""
+        count = self.residency.holders.__getitem__
+        if max(map(count, hashes), default=1) == 1:
+            one.update(zip(hashes, itertools.repeat(key)))
+            return
+        for h in hashes:
+            if count(h) == 1:
+                one[h] = key
+            else:
+                many.setdefault(h, set()).add(key)
+
     def _walk(self, n: int, gone: dict[TrajectoryKey, tuple[tuple[BlockHash, ...], int]] | None) -> list[BlockId]:
+        """Up to n held blocks in the order `_pop_held` defines. Skipping a hash that is not a
+        held block never changes a decision (`passed` only matters for held ones). Without
+        marks (gone None) this is the plain walk; with them, each trajectory is walked from its
+        tail mark down to its head mark, in windows of C-level lookups while no hash in the
+        window is shared, one hash at a time from the first shared one."""
         res = self.residency
-        holders, block, held = res.holders, self._block, self._held
-        cached = res.pool.index if res.pool is not None else block  # in the pool at all, used or free
-        behind = self._behind
+        holders, held = res.holders, self._held
+        assert res.pool is not None  # (push asserts it)
+        cached = res.pool.index  # in the pool at all, used or free
+        get, is_held, count = cached.get, held.__contains__, holders.__getitem__
+        heads, register = self._heads, self._register
+        behind1, behind = self._behind1, self._behind
         passed: dict[BlockHash, int] = {}  # less valuable holders already passed, per shared hash
         out: list[BlockId] = []
         for t in self._ranked(res.clock()):
-            if t.key not in res.protected:
+            key = t.key
+            if key not in res.protected:
                 continue
             hashes = t.hashes
-            i = len(hashes)
+            i, lo = len(hashes), 0
             if gone is not None:
-                mark = gone.get(t.key)
+                mark = gone.get(key)
                 if mark is not None and mark[0] is hashes:
                     i = mark[1]
+                mark = heads.get(key)
+                if mark is not None and mark[0] is hashes:
+                    lo = mark[1]
+            low_held = i  # the top of what a head mark may skip: below the evicted tail, below
+            # the lowest block the walk passed and left held
             tail = True  # still inside its evicted tail (hashes no longer in the pool)
-            while i > 0:
+            while gone is not None and i > lo:  # windows, until a shared hash
+                w = min(i - lo, 64 + 2 * (n - len(out)))
+                seg = hashes[i - w : i]
+                if max(map(count, seg)) > 1:
+                    break
+                blocks = list(map(get, seg))
+                top = w
+                if tail:
+                    while top and blocks[top - 1] is None:
+                        top -= 1
+                    # evicted: a push of one of them (computed again) must undo the mark
+                    behind1.update(zip(seg[top:], itertools.repeat(key)))
+                    if not top:
+                        i -= w
+                        continue
+                    gone[key] = (hashes, i - w + top)
+                    low_held = i - w + top
+                    tail = False
+                taken = list(itertools.compress(blocks[:top], map(is_held, blocks[:top])))
+                need = n - len(out)
+                if len(taken) >= need:
+                    taken = taken[len(taken) - need :]
+                    held.difference_update(taken)
+                    out += reversed(taken)
+                    return out
+                held.difference_update(taken)
+                out += reversed(taken)
+                i -= w
+            while i > lo:  # one hash at a time
                 h = hashes[i - 1]
                 if tail and h not in cached:  # evicted: the mark may move past it
                     if gone is not None:  # a push of h (computed again) must undo the mark
-                        behind.setdefault(h, set()).add(t.key)
+                        register(key, (h,), behind1, behind)
                     i -= 1
                     continue
-                b = block.get(h)
+                b = get(h)
                 if tail and gone is not None:
-                    gone[t.key] = (hashes, i)
+                    gone[key] = (hashes, i)
+                    low_held = i
                     tail = False
                 i -= 1
+                if b not in held:  # in use, or not cached (None)
+                    continue
                 k = passed.get(h, 0) + 1
                 if k < holders[h]:
                     passed[h] = k
+                    low_held = i
                     continue
-                if b is not None and b in held:
-                    held.discard(b)
-                    out.append(b)
-                    if len(out) == n:
-                        return out
-            if tail and gone is not None:
-                gone[t.key] = (hashes, 0)
+                held.discard(b)
+                out.append(b)
+                if len(out) == n:
+                    return out
+            if gone is None:
+                continue
+            if tail:
+                gone[key] = (hashes, i)
+            elif low_held > lo:
+                # nothing in hashes[:low_held] is held now (those below lo are registered already)
+                register(key, hashes[lo:low_held], self._ahead1, self._ahead)
+                heads[key] = (hashes, low_held)
         return out
 
     def __len__(self) -> int:
