@@ -12,8 +12,8 @@ from agentserve.engine.request import FinishReason, Guide, RequestOutput
 from agentserve.model.guided import GuidedDecoding
 from agentserve.model.loader import default_cache_root, load_tokenizer, resolve_model_dir
 from agentserve.server.protocol import Message
-from agentserve.server.tool_loop import answer_guide, answered_calls, call_key, decide, merged
-from agentserve.server.tool_parsers import ToolCall
+from agentserve.server.tool_loop import EchoWatch, answer_guide, answered_calls, call_key, decide, merged
+from agentserve.server.tool_parsers import ToolCall, extract, get_parser
 
 GW = ToolCall("get_weather", json.dumps({"city": "Paris"}))
 C2F = ToolCall("celsius_to_fahrenheit", json.dumps({"celsius": 21}))
@@ -63,6 +63,38 @@ def test_nothing_new_asks_for_the_answer_unless_text_came_first():
     assert not decide((C2F,), "Converting again.", answered).ask_answer  # that text is the reply
     assert not decide((), "The answer is 69.8 F.", answered).ask_answer  # no calls: nothing to end
     assert not decide((C2F,), None, frozenset()).ask_answer
+
+
+def line(c: ToolCall) -> str:
+    return json.dumps({"name": c.name, "arguments": json.loads(c.arguments)}) + "\n"
+
+
+def grow(watch: EchoWatch, text: str, step: int = 3) -> int | None:
+    """The watch over `text` as it arrives a few characters at a time: the first cut, if any."""
+    for i in range(step, len(text) + step, step):
+        if (end := watch.cut(text[:i])) is not None:
+            return end
+    return None
+
+
+@pytest.mark.parametrize("parser", ["json", "hermes"])
+def test_a_reply_cycling_through_answered_calls_is_cut_after_the_repeat(parser):
+    # The watch reads the tools as the parsers take them (the offered ones by name).
+    tools = {n: {"name": n, "parameters": {"type": "object"}} for n in (GW.name, C2F.name)}
+    fmt = line if parser == "json" else (lambda c: f"<tool_call>\n{line(c).strip()}\n</tool_call>\n")
+    answered = answered_calls(CONVERSATION)
+    watch = lambda: EchoWatch(get_parser(parser), tools, answered)  # noqa: E731
+    echo = fmt(C2F) + fmt(GW) + fmt(C2F)
+    text = echo + fmt(GW) + fmt(C2F)
+    end = grow(watch(), text)
+    # cut at a line end within the repeat (hermes parses a call whose closing tag is to come)
+    assert end is not None and len(echo) - len(fmt(C2F)) < end < len(echo) and text[end] == "\n"
+    assert extract(get_parser(parser), text[:end], tools).calls == (C2F, GW, C2F)
+    assert grow(watch(), fmt(C2F) + fmt(GW)) is None  # no call twice: it may still ask for something new
+    oslo = ToolCall("get_weather", json.dumps({"city": "Oslo", "units": "C"}))
+    assert grow(watch(), fmt(oslo) + fmt(GW) + fmt(oslo) + fmt(GW)) is None  # twice, but not answered
+    assert grow(watch(), "Converting again.\n" + echo + echo) is None  # text first: that is the reply
+    assert grow(EchoWatch(get_parser(parser), tools, frozenset()), echo + echo) is None
 
 
 def out(**kw) -> RequestOutput:

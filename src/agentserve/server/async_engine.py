@@ -60,7 +60,7 @@ class RequestStream:
     other fields are cumulative, so the latest wins): a slow reader holds one pending output,
     not one per step. `pending_since` tells how long the oldest untaken output has waited."""
 
-    __slots__ = ("_pending", "_tokens", "_ready", "pending_since", "stalled", "context")
+    __slots__ = ("_pending", "_tokens", "_ready", "pending_since", "stalled", "ended", "context")
 
     def __init__(self) -> None:
         self._pending: RequestOutput | EngineFailure | None = None
@@ -68,11 +68,12 @@ class RequestStream:
         self._ready = asyncio.Event()
         self.pending_since: float | None = None
         self.stalled = False  # set when its reader was dropped for taking nothing too long
+        self.ended = False  # its reader wants no more (the request is being aborted): put drops
         self.context: object = None  # what add()'s `then` returned (the request's trajectory)
 
     def put(self, item: RequestOutput | EngineFailure, now: float) -> None:
-        if isinstance(self._pending, EngineFailure):
-            return  # a failure is final
+        if isinstance(self._pending, EngineFailure) or self.ended:
+            return  # a failure is final; an ended reader is never stalled by what it left
         if isinstance(item, RequestOutput):
             self._tokens.extend(item.new_token_ids)
         self._pending = item

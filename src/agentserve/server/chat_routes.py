@@ -14,7 +14,8 @@ from agentserve.server.chat import ChatPrompt, build_chat_prompt
 from agentserve.server.generation import (
     DONE, FINISH, Generation, TextState, run_one_shot, sse, streaming, usage)
 from agentserve.server.protocol import ChatCompletionRequest
-from agentserve.server.tool_loop import CallKey, LoopDecision, answer_guide, answered_calls, decide, merged
+from agentserve.server.tool_loop import (CallKey, EchoWatch, LoopDecision, answer_guide, answered_calls, decide,
+                                        merged)
 from agentserve.server.tool_parsers import (ParsedOutput, StreamingToolParser, ToolCall, ToolParser, extract,
                                             get_parser)
 
@@ -53,6 +54,12 @@ class _Turn:
            prompt: ChatPrompt) -> _Turn:
         on = bool(prompt.tools) and prompt.guide is None and body.repeated_tool_calls == "drop"
         return _Turn(state, body, request, request_id, answered_calls(body.messages) if on else None)
+
+    def watch(self, parser: StreamingToolParser | None) -> EchoWatch | None:
+        """Rule 3's watch over the reply, where the loop rule is on."""
+        if self.answered is None or parser is None:
+            return None
+        return EchoWatch(parser.parser, parser.tools, self.answered)
 
     def decide(self, parsed: ParsedOutput) -> LoopDecision:
         if self.answered is None:
@@ -98,7 +105,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         parser = StreamingToolParser(_tool_parser(state, prompt), prompt.tools) if prompt.tools else None
         if body.stream:
             return streaming(_stream(turn, parser, gen, text, head, session_id), gen)
-        if (gone := await run_one_shot(request, gen, text)) is not None:
+        if (gone := await run_one_shot(request, gen, text, turn.watch(parser))) is not None:
             return gone
         assert text.last is not None
         parsed = extract(parser.parser, text.text, prompt.tools) if parser else ParsedOutput(text.text, ())
@@ -128,11 +135,18 @@ async def _stream(turn: _Turn, parser: StreamingToolParser | None, gen: Generati
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}]})
 
     yield chunk({"role": "assistant", "content": ""})
+    watch = turn.watch(parser)
     async for out in gen.outputs():
         delta, _ = text.add(out)
         shown = parser.feed(delta) if parser else delta
         if shown:
             yield chunk({"content": shown})
+        if watch is not None and parser is not None and not out.finished \
+                and (end := watch.cut(parser.text)) is not None:
+            parser.cut(end)  # rule 3: the model is echoing answered calls
+            text.cut(text.emitted)
+            gen.end()
+            break
     assert text.last is not None
     last, decision = text.last, LoopDecision((), (), ask_answer=False)
     if parser is not None:

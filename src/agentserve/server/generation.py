@@ -8,8 +8,8 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -61,6 +61,13 @@ class TextState:
             safe = max(self.emitted, len(self.text) - hold)
         delta, self.emitted = self.text[self.emitted : safe], safe
         return delta, list(out.new_token_ids)
+
+    def cut(self, end: int) -> None:
+        """The server ends the output at `end`: it is complete, as if the model had stopped
+        there. (A streamed reply's caller cuts only text that was never shown.)"""
+        assert self.last is not None and end <= len(self.text)
+        self.text, self.emitted = self.text[:end], min(self.emitted, end)
+        self.last = replace(self.last, finished=True, finish_reason=FinishReason.STOP)
 
 
 def usage(out: RequestOutput, session_id: str | None, trajectory_id: str | None = None,
@@ -137,6 +144,15 @@ class Generation:
                                code="request_failed")
             yield item
 
+    def end(self) -> None:
+        """The server has what it needs of this request's output: abort it in the engine now
+        (its blocks are freed) and read no more. The Generation stays open, its turn going on,
+        until close()."""
+        if not self.finished:
+            self.finished = True
+            self.stream.ended = True
+            self.engine.abort(self.request_id)
+
     def drop(self, why: str) -> None:
         """Its reader stalled: abort the request and wake its handler to end."""
         log.warning("%s: %s; aborting it", self.request_id, why)
@@ -153,16 +169,26 @@ class Generation:
         self._on_close(self)
 
 
-async def collect(gen: Generation, text: TextState) -> None:
+class Watch(Protocol):
+    def cut(self, text: str) -> int | None: ...
+
+
+async def collect(gen: Generation, text: TextState, watch: Watch | None = None) -> None:
+    """The outputs into `text`; a watch may end the request early, at an offset of the text."""
     async for out in gen.outputs():
         text.add(out)
+        if watch is not None and not out.finished and (end := watch.cut(text.text)) is not None:
+            text.cut(end)
+            gen.end()
+            return
 
 
-async def run_one_shot(request: Request, gen: Generation, text: TextState) -> Response | None:
+async def run_one_shot(request: Request, gen: Generation, text: TextState,
+                       watch: Watch | None = None) -> Response | None:
     """A non-streaming response's whole output into `text`, closing `gen`; a 499 response to
     return instead when the client went away (nobody is left to read it)."""
     try:
-        await until_disconnected(request, collect(gen, text))
+        await until_disconnected(request, collect(gen, text, watch))
     except ClientGone:
         return Response(status_code=499)
     finally:

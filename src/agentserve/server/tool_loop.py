@@ -15,6 +15,12 @@ The rule (tool_choice "auto", unless the request sends `repeated_tool_calls: "ke
    over. Text before the calls, if any, is the answer; otherwise the model is asked for its
    answer once more, from the same messages with the tools not rendered and `ANSWER_GRAMMAR`.
 
+3. A reply that cycles (its calls so far, each on a line of its own, are all answered ones and
+   one of them is there twice) is stopped at the end of that line: the model is echoing, and
+   what follows would be more of the echo. Without this the echo ran to `max_tokens` (measured:
+   five repeats in 100 tokens after two tool results), which cost that decode time and left the
+   answer of rule 2 no room, so the reply was empty.
+
 A tool whose result changes between equal calls (reading a file after writing it, a die) can
 make rule 1 drop a call the agent meant; such agents send `repeated_tool_calls: "keep"`.
 """
@@ -28,7 +34,7 @@ from typing import Any
 
 from agentserve.engine.request import Guide, RequestOutput
 from agentserve.server.protocol import Message
-from agentserve.server.tool_parsers import ToolCall
+from agentserve.server.tool_parsers import ToolCall, ToolParser, extract
 
 CallKey = tuple[str, str]  # function name, arguments as canonical JSON
 
@@ -94,6 +100,30 @@ def decide(calls: tuple[ToolCall, ...], content: str | None, answered: frozenset
     kept = tuple(c for c, r in zip(calls, repeated) if not r)
     dropped = tuple(c for c, r in zip(calls, repeated) if r)
     return LoopDecision(kept, dropped, ask_answer=bool(calls) and not kept and content is None)
+
+
+@dataclasses.dataclass(slots=True)
+class EchoWatch:
+    """Rule 3 over a reply as it grows (the text so far after each output)."""
+
+    parser: ToolParser
+    tools: Any  # the offered tools by name, as the parser takes them
+    answered: frozenset[CallKey]
+    seen: int = 0  # the last line end already looked at
+
+    def cut(self, text: str) -> int | None:
+        """Where to end the reply, or None to go on. Only whole lines are parsed: a call that
+        is still being written is not a call yet."""
+        end = text.rfind("\n")
+        if end <= self.seen:
+            return None
+        self.seen = end
+        parsed = extract(self.parser, text[:end], self.tools)
+        if parsed.content is not None or not parsed.calls:
+            return None
+        keys = [call_key(c.name, c.arguments) for c in parsed.calls]
+        cycling = len(set(keys)) < len(keys) and all(k in self.answered for k in keys)
+        return end if cycling else None
 
 
 def merged(reply: RequestOutput, answer: RequestOutput) -> RequestOutput:

@@ -259,6 +259,11 @@ class StreamingToolParser:
         out, self.emitted = self.text[self.emitted : end], end
         return out
 
+    def cut(self, end: int) -> None:
+        """The reply ends at `end` (the server stopped it there; nothing after it was shown)."""
+        assert self.emitted <= end <= len(self.text)
+        self.text = self.text[:end]
+
     def finish(self) -> tuple[str, ParsedOutput]:
         """The content not yet emitted, and the whole parsed reply."""
         parsed = extract(self.parser, self.text, self.tools)
