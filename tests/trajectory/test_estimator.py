@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
 from agentserve.trajectory.estimator import OTHER, Prior, ReturnEstimator
@@ -83,3 +84,23 @@ def test_pauses_still_open_count_as_censored_at_their_wait():
     assert a.p_return_within("t", 0.0, 30.0) < 0.2 < before  # most of them are still out
     a.set_open({})  # they closed (elsewhere): back to the returns alone
     assert abs(a.p_return_within("t", 0.0, 30.0) - before) < 1e-9
+
+
+def test_the_array_lookups_equal_the_scalar_ones():
+    # survival_many / p_return_within_many (the eviction order's sort) against survival /
+    # p_return_within, one time at a time: before the grid, on its edges, inside bins, past it.
+    rng = random.Random(3)
+    e = ReturnEstimator()
+    for _ in range(300):
+        e.observe_return("tool", rng.lognormvariate(2.0, 2.0))
+    for _ in range(60):
+        e.observe_censored("tool", rng.lognormvariate(4.0, 1.0))
+    grid = list(e.grid)
+    times = [0.0, 0.1, grid[0] / 2, *grid[:3], *grid[-2:], grid[-1] * 2, 1e9]
+    times += [rng.lognormvariate(2.0, 3.0) for _ in range(200)] + [g * 1.0001 for g in grid[::7]]
+    for name in ("tool", "unseen"):  # data, and the prior alone
+        many = e.survival_many(name, np.array(times))
+        assert many.tolist() == pytest.approx([e.survival(name, t) for t in times], rel=1e-12, abs=1e-14)
+        for h in (1.0, 60.0, 5000.0):
+            many = e.p_return_within_many(name, np.array(times), h)
+            assert many.tolist() == pytest.approx([e.p_return_within(name, t, h) for t in times], rel=1e-9, abs=1e-12)

@@ -58,6 +58,7 @@ class ReturnEstimator:
     grid: tuple[float, ...] = field(default_factory=log_grid)
     _classes: dict[str, _Class] = field(default_factory=dict)
     _grid_array: np.ndarray | None = None
+    _log_grid_array: np.ndarray | None = None
 
     def class_of(self, name: str) -> str:
         if name in self._classes or len(self._classes) < self.max_classes - 1 or name == OTHER:
@@ -149,25 +150,22 @@ class ReturnEstimator:
         return lo_s + (hi_s - lo_s) * min(1.0, max(0.0, frac))
 
     def survival_many(self, name: str, t_s: np.ndarray) -> np.ndarray:
-        """survival() at each of an array of times, the same interpolation in array operations
-        (the eviction order's sort: one call per class instead of one per trajectory)."""
+        """survival() at each of an array of times (the eviction order's sort: one call per
+        class instead of one per trajectory). Inside the grid survival() is linear in log time
+        between bin edges, which is np.interp over the log grid; before the first edge it is
+        linear in time from S(0) = 1; from the last edge on it is what never returns."""
         c = self._get(name)
         self._survival(c)
-        s, grid = c._survival_np, self._grid_np()
+        s, grid, log_grid = c._survival_np, self._grid_np(), self._log_grid_np()
         assert s is not None
-        n = len(grid)
-        k = np.searchsorted(grid, np.maximum(t_s, 0.0), side="right")
-        hi = np.minimum(k, n - 1)
-        lo = np.maximum(k - 1, 0)
-        inner = k > 0
-        lo_t = np.where(inner, grid[lo], 0.0)
-        lo_s = np.where(inner, s[lo], 1.0)
-        hi_t, hi_s = grid[hi], s[hi]
-        safe_lo = np.where(inner, lo_t, 1.0)
-        with np.errstate(divide="ignore", invalid="ignore"):  # past the grid (lo = hi): replaced below
-            frac = np.where(inner, np.log(np.maximum(t_s, safe_lo) / safe_lo) / np.log(hi_t / safe_lo), t_s / hi_t)
-        out = lo_s + (hi_s - lo_s) * np.clip(frac, 0.0, 1.0)
-        return np.where(k >= n, s[-1], out)
+        t = np.asarray(t_s, dtype=np.float64)
+        n = len(grid)  # s[:n] is S at each edge; s[n], the open bin past the grid's end
+        out = np.interp(np.log(np.maximum(t, grid[0])), log_grid, s[:n])
+        out[t >= grid[-1]] = s[n]
+        early = t < grid[0]
+        if early.any():
+            out[early] = 1.0 + (s[0] - 1.0) * (np.maximum(t[early], 0.0) / grid[0])
+        return out
 
     def _grid_np(self) -> np.ndarray:
         g = self._grid_array
@@ -175,10 +173,17 @@ class ReturnEstimator:
             g = self._grid_array = np.asarray(self.grid, dtype=np.float64)
         return g
 
+    def _log_grid_np(self) -> np.ndarray:
+        g = self._log_grid_array
+        if g is None:
+            g = self._log_grid_array = np.log(self._grid_np())
+        return g
+
     def p_return_within_many(self, name: str, waited_s: np.ndarray, horizon_s: float) -> np.ndarray:
         """p_return_within() for an array of waits, one horizon."""
-        now = self.survival_many(name, waited_s)
-        later = self.survival_many(name, waited_s + horizon_s)
+        waited = np.asarray(waited_s, dtype=np.float64)
+        both = self.survival_many(name, np.concatenate((waited, waited + horizon_s)))
+        now, later = both[: len(waited)], both[len(waited) :]
         alive = now > 1e-12
         return np.where(alive, np.maximum(0.0, (now - later) / np.where(alive, now, 1.0)), 0.0)
 

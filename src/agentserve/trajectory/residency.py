@@ -788,16 +788,18 @@ class AgentEviction:
         self._undo(hashes)
 
     def _undo(self, hashes: Sequence[BlockHash]) -> None:
-        """Drop the marks that skip any of these hashes."""
+        """Drop the marks that skip any of these hashes (each trajectory's once: a freed
+        sequence hits hundreds of the hashes one mark skipped)."""
+        keys: set[TrajectoryKey] = set()
         for one in (self._behind1, self._ahead1):
-            if one:
-                for h in one.keys() & hashes:
-                    self._unmark(one.pop(h))
+            if one and (common := one.keys() & hashes):
+                keys.update(map(one.pop, common))
         for many in (self._behind, self._ahead):
             if many:
                 for h in many.keys() & hashes:
-                    for key in many.pop(h):
-                        self._unmark(key)
+                    keys.update(many.pop(h))
+        for key in keys:
+            self._unmark(key)
 
     def _unmark(self, key: TrajectoryKey) -> None:
         self._gone.pop(key, None)
