@@ -57,8 +57,12 @@ class ReturnEstimator:
     max_classes: int = 16
     grid: tuple[float, ...] = field(default_factory=log_grid)
     _classes: dict[str, _Class] = field(default_factory=dict)
-    _grid_array: np.ndarray | None = None
-    _log_grid_array: np.ndarray | None = None
+    _grid_array: np.ndarray = field(init=False)  # the grid (fixed at construction) as arrays
+    _log_grid_array: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._grid_array = np.asarray(self.grid, dtype=np.float64)
+        self._log_grid_array = np.log(self._grid_array)
 
     def class_of(self, name: str) -> str:
         if name in self._classes or len(self._classes) < self.max_classes - 1 or name == OTHER:
@@ -110,7 +114,7 @@ class ReturnEstimator:
         for name, c in self._classes.items():
             if c.open is not None and name not in waits:
                 c.open, c._survival = None, None
-        grid = self._grid_np()
+        grid = self._grid_array
         for name, ws in waits.items():
             c = self._get(name)
             # _bin of each wait, counted (bisect_right over the grid, as searchsorted "right")
@@ -156,7 +160,7 @@ class ReturnEstimator:
         linear in time from S(0) = 1; from the last edge on it is what never returns."""
         c = self._get(name)
         self._survival(c)
-        s, grid, log_grid = c._survival_np, self._grid_np(), self._log_grid_np()
+        s, grid, log_grid = c._survival_np, self._grid_array, self._log_grid_array
         assert s is not None
         t = np.asarray(t_s, dtype=np.float64)
         n = len(grid)  # s[:n] is S at each edge; s[n], the open bin past the grid's end
@@ -166,18 +170,6 @@ class ReturnEstimator:
         if early.any():
             out[early] = 1.0 + (s[0] - 1.0) * (np.maximum(t[early], 0.0) / grid[0])
         return out
-
-    def _grid_np(self) -> np.ndarray:
-        g = self._grid_array
-        if g is None:
-            g = self._grid_array = np.asarray(self.grid, dtype=np.float64)
-        return g
-
-    def _log_grid_np(self) -> np.ndarray:
-        g = self._log_grid_array
-        if g is None:
-            g = self._log_grid_array = np.log(self._grid_np())
-        return g
 
     def p_return_within_many(self, name: str, waited_s: np.ndarray, horizon_s: float) -> np.ndarray:
         """p_return_within() for an array of waits, one horizon."""
