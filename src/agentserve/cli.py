@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from agentserve import omp_env
+
 # Subcommand modules, imported lazily so `agentserve analyze` never pays for torch.
 _COMMANDS: dict[str, str] = {
     "demo": "agentserve.demo",
@@ -47,13 +49,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # Offline commands: idle OpenMP threads sleep instead of spinning. With spinning, one core
-    # busy elsewhere stalls every parallel op of a 2-thread torch (measured here: a decode step
-    # went from ~60 ms to ~900 ms). `serve` keeps OpenMP's default spin: its step loop runs on
-    # the main thread, where spinning measured 40 s on agent-4x6 against 54 s passive. Either is
-    # overridden by setting OMP_WAIT_POLICY or GOMP_SPINCOUNT. Must precede importing torch.
-    if "serve" not in argv and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP's wait: `serve` spins briefly, offline commands sleep (omp_env.py has the measured
+    # reasons); the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT wins. Must precede importing torch.
+    omp_env.apply(os.environ, serving=next((a for a in argv if not a.startswith("-")), None) == "serve")
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     args.cache_root = cache_root()

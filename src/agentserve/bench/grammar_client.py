@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 import agentserve
+from agentserve import omp_env
 from agentserve.bench.served import served
 
 
@@ -31,16 +32,16 @@ class ServerSpec:
 
 @contextlib.contextmanager
 def server(spec: ServerSpec, log_path: Path, start_timeout_s: float) -> Iterator[str]:
-    """`agentserve serve` in a subprocess; yields its base URL and stops it on exit. It inherits
-    the bench's environment, so OMP_WAIT_POLICY=PASSIVE from the CLI unless set otherwise: with
-    serve's default spin, a machine busy elsewhere turns 0.1 s decode steps into 1 s ones."""
+    """`agentserve serve` in a subprocess; yields its base URL and stops it on exit. It runs with
+    serve's own OpenMP wait (a short spin) unless the bench was started with one set
+    (omp_env.for_server)."""
     args = ["--model", spec.model, "--dtype", spec.dtype, "--max-num-seqs", str(spec.max_num_seqs),
             "--kv-cache-memory-gib", "2"]
     if spec.device:
         args += ["--device", spec.device]
     if spec.inline:
         args.append("--grammar-inline")
-    env = dict(os.environ)
+    env = omp_env.for_server(os.environ)
     src = spec.src or Path(agentserve.__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH")) if p)
     with log_path.open("w") as log, served(args, log, start_timeout_s, env, spec.port) as s:

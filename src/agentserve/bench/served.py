@@ -4,6 +4,7 @@ tests: started, waited for until /health answers 200, and always stopped."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import IO
 
 import httpx
+
+from agentserve import omp_env
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +33,11 @@ def free_port() -> int:
 @contextlib.contextmanager
 def served(args: list[str], output: int | IO[str] = subprocess.DEVNULL, start_timeout_s: float = 300,
            env: dict[str, str] | None = None, port: int | None = None) -> Iterator[Served]:
-    """`agentserve serve ARGS --port P`; output: where its log goes (PIPE to read it)."""
+    """`agentserve serve ARGS --port P`; output: where its log goes (PIPE to read it). env: the
+    server's environment, by default this process's less the OpenMP wait setting a command
+    defaulted for itself (the server then runs with serve's own: omp_env.py)."""
     port = port or free_port()
+    env = omp_env.for_server(os.environ) if env is None else env
     proc = subprocess.Popen([sys.executable, "-m", "agentserve.cli", "serve", *args, "--port", str(port)],
                             stdout=output, stderr=subprocess.STDOUT, text=True, env=env)
     try:

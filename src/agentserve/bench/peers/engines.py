@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from agentserve import omp_env
 from agentserve.bench.peers.install import Installed
 from agentserve.bench.peers.settings import EngineSettings, Group, Settings
 
@@ -59,7 +60,7 @@ class Launch:
 # The harness's own thread settings (make bench-peers runs it under OMP_WAIT_POLICY=PASSIVE) are
 # not a server's: each engine runs with its project's default unless settings.yaml sets one (the
 # first full run leaked PASSIVE into every server; agentserve's serve default spins).
-HARNESS_ONLY = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS")
+HARNESS_ONLY = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS", omp_env.MARK)
 
 
 def server_env(inherited: Mapping[str, str], launch: Launch) -> dict[str, str]:
