@@ -34,10 +34,15 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "agentserve"
 
 
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in argv (its first non-option word)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentserve", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    wanted = next((a for a in argv if not a.startswith("-")), None)
+    wanted = _command(argv)
     for name, module_name in _COMMANDS.items():
         if wanted is not None and name != wanted:
             subparsers.add_parser(name)  # listed in --help; its own arguments load on use
@@ -51,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # OpenMP's wait: `serve` spins briefly, offline commands sleep (omp_env.py has the measured
     # reasons); the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT wins. Must precede importing torch.
-    omp_env.apply(os.environ, serving=next((a for a in argv if not a.startswith("-")), None) == "serve")
+    omp_env.apply(os.environ, serving=_command(argv) == "serve")
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     args.cache_root = cache_root()

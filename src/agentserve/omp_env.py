@@ -2,17 +2,10 @@
 
 At the end of each parallel op an idle OpenMP thread either spins, ready for the next op, or
 sleeps and must be woken by a futex at the next one. A decode step is ~120 short parallel ops
-(SmolLM2: four matmuls and an attention a layer), so the choice sets the step time. Measured here
-(2026-12-03; docs/benchmarks.md, "OpenMP's wait"): a decode step of SmolLM2-135M bf16 at 4 rows,
-and agent-4x6 (Qwen2.5-Coder-0.5B served, wall s), quiet and with one core busy elsewhere:
-
-| setting | step, quiet | step, one core busy | agent-4x6, quiet | agent-4x6, one core busy |
-|---|---:|---:|---:|---:|
-| sleep (`OMP_WAIT_POLICY=PASSIVE`) | 31.5 ms | 37.9 ms | | 39.2 s |
-| spin 3,000 | 22.5 ms | 48.2 ms | 26.9-27.1 s | 40.5-40.8 s |
-| spin 10,000 (`serve`'s default) | 21.2 ms | 72.7 ms | 25.9-26.0 s | 44.9-45.0 s |
-| spin 30,000 | | | 25.7-25.9 s | 56.0 s |
-| libgomp's default (spin 300,000) | 21.5 ms | 554 ms | 25.7-26.5 s | over 240 s |
+(SmolLM2: four matmuls and an attention a layer), so the choice sets the step time. Measured
+here (2026-12-03; the table and commands are in docs/benchmarks.md, "OpenMP's wait"): agent-4x6
+served took 25.9-26.0 s quiet and 45 s with one core busy at spin 10,000, against 25.7-26.5 s
+and more than 240 s at libgomp's default (spin 300,000), and 39 s busy when sleeping.
 
 libgomp's default spin turns one busy core into 15-25x slower steps (the waiting thread burns
 its slice while the one it waits for cannot run); sleeping costs a futex wake per op. A short
