@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import time
 
 import jsonschema
@@ -210,3 +212,27 @@ def test_forced_call_over_forty_tools_compiles_off_the_step_thread(smol_llm, inl
         jsonschema.validate(json.loads(call["function"]["arguments"]), by_name[call["function"]["name"]])
     else:
         assert r["choices"][0]["finish_reason"] == "length", r
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread scheduling is Linux's")
+def test_a_compile_that_runs_long_at_sched_idle_is_promoted_and_a_quick_one_is_not(grammars, smol_llm, monkeypatch):
+    compiler = smol_llm.runner.guided.compiler
+    real = compiler.check_uncached
+    seen: dict[str, list[int]] = {}
+
+    def timed(guide):
+        key = "slow" if "sluggish" in guide.text else "quick"
+        seen.setdefault(key, []).append(os.sched_getscheduler(0))
+        if key == "slow":
+            time.sleep(0.6)  # stands for a compile starved on a busy machine
+        seen[key].append(os.sched_getscheduler(0))
+        return real(guide)
+
+    monkeypatch.setattr(compiler, "check_uncached", timed)
+    g = grammars(promote_after_s=0.2)
+    if not g.priority.idle:
+        pytest.skip("this process may not leave SCHED_IDLE")
+    prepare(g, tools_of([("quick", {"type": "object", "properties": {"brisk": {"type": "string"}}})]), choice=None)
+    assert seen["quick"] == [os.SCHED_IDLE, os.SCHED_IDLE] and g.priority.num_promoted == 0
+    prepare(g, tools_of([("slow", {"type": "object", "properties": {"sluggish": {"type": "string"}}})]), choice=None)
+    assert seen["slow"] == [os.SCHED_IDLE, os.SCHED_OTHER] and g.priority.num_promoted == 1
