@@ -141,3 +141,24 @@ def test_attention_bench_times_both_sides(kernels):
     rows = run_attention_bench(kernels, heads=4, kv_heads=2, head_dim=32, chunks=((5, 20), (40, 0)), budget_s=0.0)
     assert [(r.rows, r.start) for r in rows] == [(5, 20), (40, 0)]
     assert all(r.torch_ms > 0 and r.kernel_ms > 0 and r.kernel_gflops > 0 for r in rows)
+
+
+def test_the_bf16_prefill_path_is_chosen_by_measurement_and_fp32_keeps_the_kernel():
+    from agentserve.model.attention_bench import SDPA_MARGIN, prefill_kernel_wins
+    from agentserve.model.cpu_kernels import load_cpu_kernels
+    from agentserve.model.transformer import Transformer
+
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.supports_prefill(torch.bfloat16, 64):
+        pytest.skip("no bf16 prefill kernel on this CPU")
+    wins, row = prefill_kernel_wins(kernels, 14, 2, 64, budget_s=0.05)
+    assert row.kernel_ms > 0 and row.torch_ms > 0
+    assert wins == (row.torch_ms * SDPA_MARGIN >= row.kernel_ms)
+    model = Transformer.__new__(Transformer)  # only the routing is read
+    model.config = type("Shape", (), {"head_dim": 64})()
+    model.kernels = kernels
+    cpu = torch.device("cpu")
+    for chosen in (True, False):
+        model.bf16_prefill_kernel = chosen
+        assert model.prefill_reads_in_place(torch.bfloat16, cpu) is chosen
+        assert model.prefill_reads_in_place(torch.float32, cpu)  # exact tests run the kernel

@@ -75,3 +75,20 @@ def run_attention_bench(kernels: CpuKernels, heads: int = 14, kv_heads: int = 2,
         flops = 4 * rows * heads * head_dim * (start + (rows + 1) / 2)
         out.append(AttentionRow(rows, start, torch_ms, kernel_ms, flops / kernel_ms / 1e6))
     return out
+
+
+# The start-up check's chunk: a 512-token prefill chunk over 1,536 cached tokens (~60 MFLOP per
+# head, a few ms either way), and how much faster torch's path must be to be chosen: on the
+# AMD EPYC this was written on the kernel is 2.3-2.9x SDPA; on an Intel Xeon with AMX, where
+# torch's matmuls run on the tiles, SDPA is 2.1-2.5x the kernel (docs/benchmarks.md).
+CHECK_CHUNK = (512, 1536)
+SDPA_MARGIN = 1.25
+
+
+def prefill_kernel_wins(kernels: CpuKernels, heads: int, kv_heads: int, head_dim: int,
+                        budget_s: float = 0.15) -> tuple[bool, AttentionRow]:
+    """Whether the bf16 prefill kernel should run on this machine: measured side by side on one
+    chunk of the model's own shape; the kernel stays unless torch's path is SDPA_MARGIN times
+    faster (a margin so that noise on a shared machine does not flip the choice)."""
+    row = run_attention_bench(kernels, heads, kv_heads, head_dim, chunks=(CHECK_CHUNK,), budget_s=budget_s)[0]
+    return row.torch_ms * SDPA_MARGIN >= row.kernel_ms, row

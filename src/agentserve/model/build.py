@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,12 +10,15 @@ from typing import Any
 import torch
 
 from agentserve.config import CacheConfig
+from agentserve.model.attention_bench import prefill_kernel_wins
 from agentserve.model.config import ModelConfig
 from agentserve.model.cpu_kernels import load_cpu_kernels
 from agentserve.model.guided import GuidedDecoding
 from agentserve.model.loader import load_weights
 from agentserve.model.runner import ModelRunner, num_blocks_for_memory
 from agentserve.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -46,6 +50,11 @@ def build_runner(model_dir: Path, config: ModelConfig, dtype: str, device: str |
     weights = {k: v.to(dev) for k, v in load_weights(model_dir, dt).items()}
     kernels = load_cpu_kernels() if cpu_kernels and dev.type == "cpu" else None
     model = Transformer(config, weights, kernels=kernels)
+    if kernels is not None and dt == torch.bfloat16 and kernels.supports_prefill(dt, config.head_dim):
+        wins, row = prefill_kernel_wins(kernels, config.num_heads, config.num_kv_heads, config.head_dim)
+        model.bf16_prefill_kernel = wins
+        log.info("prefill attention (bf16): %s (%d-row chunk over %d cached: kernel %.2f ms, torch SDPA %.2f ms)",
+                 "C++ kernel" if wins else "torch SDPA", row.rows, row.start, row.kernel_ms, row.torch_ms)
     num_blocks = cache.num_blocks or num_blocks_for_memory(config, cache.block_size, cache.memory_gib, dt)
     guided = None if tokenizer is None else GuidedDecoding(tokenizer, config.vocab_size)
     runner = ModelRunner(model, num_blocks, cache.block_size, dt, dev, seed=seed, guided=guided)

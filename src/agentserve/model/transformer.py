@@ -190,6 +190,9 @@ class Transformer:
         # each (csrc/norm_rope.cpp, the same roundings); a plain attribute so a bench can compare.
         self.fused_norm_rope = (kernels is not None and self.embed.device.type == "cpu"
                                 and self.embed.dtype == torch.bfloat16)
+        # bf16 prefill attention on the C++ kernel; build_runner sets it from a side-by-side
+        # measurement at start-up (model/attention_bench.prefill_kernel_wins). fp32 always uses it.
+        self.bf16_prefill_kernel = True
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int, pack: bool, small: CpuKernels | None) -> Layer:
@@ -306,10 +309,12 @@ class Transformer:
 
     def prefill_reads_in_place(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether prefill chunks use the C++ kernel (csrc/prefill_attention.cpp): causal over
-        the context read from the pool in place, 2.6-4.2x torch's SDPA here in bf16, from
-        8-row chunks over 1.7k keys to 2k-row chunks over 16k; fp32 for exact tests."""
+        the context read from the pool in place, 2.6-4.2x torch's SDPA in bf16 on the AMD EPYC it
+        was written on, from 8-row chunks over 1.7k keys to 2k-row chunks over 16k (where
+        torch's path is faster, as with AMX, bf16 stays on it); fp32 for exact tests."""
         return (self.kernels is not None and device.type == "cpu"
-                and self.kernels.supports_prefill(dtype, self.config.head_dim))
+                and self.kernels.supports_prefill(dtype, self.config.head_dim)
+                and (dtype != torch.bfloat16 or self.bf16_prefill_kernel))
 
     def _decode_attention(self, q: torch.Tensor, d: DecodeGroup, k_cache: torch.Tensor,
                           v_cache: torch.Tensor) -> torch.Tensor:
