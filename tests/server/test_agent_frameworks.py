@@ -79,13 +79,18 @@ class Turns:
         self.record(request)
 
 
-def check_answer(answer: object, value: str = "69.8") -> None:
-    """A text answer from the tool results: it names the converted value, and no parser finds a
-    call in it (nor does it hold call JSON a parser might have missed)."""
+def check_answer(answer: object, value: str | None = None) -> None:
+    """A text answer after the tool results: no parser finds a call in it, nor does it hold call
+    JSON a parser might have missed (the server's part: the loop ends in an answer). Whether the
+    0.5B model's greedy wording names the converted value moves with the bf16 rounding of the
+    attention path chosen at start-up (on an Intel CPU with AMX, torch's SDPA: "This is the
+    temperature in Paris in Fahrenheit."), so the frameworks' runs do not assert it (the tools'
+    arguments they do); `value` is asserted where a test gives it (the loop rule's fixed turns)."""
     assert isinstance(answer, str) and answer.strip(), answer
     offered = {t["function"]["name"]: t["function"] for t in TOOLS}
     assert extract(get_parser("auto"), answer, offered).calls == ()
-    assert '"name"' not in answer and value in answer, answer
+    assert '"name"' not in answer, answer
+    assert value is None or value in answer, answer
 
 
 @pytest.fixture(scope="module")
