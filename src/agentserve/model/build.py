@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,9 +11,9 @@ from typing import Any
 import torch
 
 from agentserve.config import CacheConfig
-from agentserve.model.attention_bench import prefill_kernel_wins
+from agentserve.model.attention_bench import AttentionRow, prefill_kernel_wins
 from agentserve.model.config import ModelConfig
-from agentserve.model.cpu_kernels import load_cpu_kernels
+from agentserve.model.cpu_kernels import CpuKernels, load_cpu_kernels
 from agentserve.model.guided import GuidedDecoding
 from agentserve.model.loader import load_weights
 from agentserve.model.runner import ModelRunner, num_blocks_for_memory
@@ -35,6 +36,14 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+@functools.cache
+def _prefill_choice(kernels: CpuKernels, heads: int, kv_heads: int, head_dim: int) -> tuple[bool, AttentionRow]:
+    """The start-up measurement, once per process and attention shape: every model of that
+    shape built in this process gets the same path (and the same roundings), and a process that
+    builds several (tests, benches) measures once."""
+    return prefill_kernel_wins(kernels, heads, kv_heads, head_dim)
+
+
 @dataclass(frozen=True, slots=True)
 class BuiltRunner:
     runner: ModelRunner
@@ -51,7 +60,7 @@ def build_runner(model_dir: Path, config: ModelConfig, dtype: str, device: str |
     kernels = load_cpu_kernels() if cpu_kernels and dev.type == "cpu" else None
     model = Transformer(config, weights, kernels=kernels)
     if kernels is not None and dt == torch.bfloat16 and kernels.supports_prefill(dt, config.head_dim):
-        wins, row = prefill_kernel_wins(kernels, config.num_heads, config.num_kv_heads, config.head_dim)
+        wins, row = _prefill_choice(kernels, config.num_heads, config.num_kv_heads, config.head_dim)
         model.bf16_prefill_kernel = wins
         log.info("prefill attention (bf16): %s (%d-row chunk over %d cached: kernel %.2f ms, torch SDPA %.2f ms)",
                  "C++ kernel" if wins else "torch SDPA", row.rows, row.start, row.kernel_ms, row.torch_ms)

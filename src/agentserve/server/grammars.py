@@ -221,7 +221,7 @@ class Grammars:
         if job.result.done():  # cached: however long ago it ran
             return job.result.result()
         started = await asyncio.shield(asyncio.wrap_future(job.started))
-        result = asyncio.shield(asyncio.wrap_future(job.result))
+        result = asyncio.wrap_future(job.result)  # shielded at each wait: a timeout cancels only the wait
         young = started + min(self.config.promote_after_s, self.config.compile_timeout_s) - time.monotonic()
         if young > 0:
             with contextlib.suppress(TimeoutError):
@@ -229,7 +229,7 @@ class Grammars:
         self.priority.promote()  # it has run long at SCHED_IDLE: a busy machine must not starve it
         left = started + self.config.compile_timeout_s - time.monotonic()
         try:
-            return await asyncio.wait_for(result, max(left, 0.0))
+            return await asyncio.wait_for(asyncio.shield(result), max(left, 0.0))
         except TimeoutError:
             log.warning("%s: compile passed %.1f s", what, self.config.compile_timeout_s)
             raise APIError(400, f"{what} took longer than {self.config.compile_timeout_s:g} s to compile "
