@@ -72,12 +72,15 @@ class LLM:
         residency_config: ResidencyConfig | None = None,
         tiers: TierConfig | None = None,
         ledger: bool = True,
+        compute_dtype: str = "auto",
     ) -> None:
         """cpu_kernels: on CPU, build and use the C++ decode-attention kernel (model/csrc/)
         where a compiler is available; False keeps torch's SDPA. residency: off | shadow | on
         (trajectory/residency.py; needs the prefix cache). tiers: host and disk KV tiers
         (engine/tiers.py; need the prefix cache). ledger: keep a row per attempt
-        (ledger/ledger.py; `self.ledger`)."""
+        (ledger/ledger.py; `self.ledger`). compute_dtype: auto | bfloat16 | float32, the dtype
+        activations are computed in (model/precision.py: auto computes a bf16 model in fp32,
+        weights and KV kept in bf16, on a CPU without a bf16 dot product)."""
         if residency != "off" and not enable_prefix_caching:
             raise ValueError(f"residency {residency!r} needs the prefix cache; drop --no-prefix-caching "
                              "or use --residency off")
@@ -90,7 +93,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.model_dir)
         cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib)
         built = build_runner(self.model_dir, self.model_config, dtype, device, cache, seed,
-                             tokenizer=self.tokenizer, cpu_kernels=cpu_kernels)
+                             tokenizer=self.tokenizer, cpu_kernels=cpu_kernels, compute=compute_dtype)
         self.device = built.device
         self.runner = built.runner
         context, self.max_model_len_note = _fit_context(

@@ -91,13 +91,14 @@ def tiny_engine(arch: str = "qwen2", *, block_size: int = 4, num_blocks: int = 6
                 max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
                 enable_prefix_caching: bool = True, dtype: torch.dtype = torch.float32,
                 kernels: CpuKernels | KernelSpy | None = None, sharp_attention: bool = True,
-                eviction=None, tiers=None, ledger: bool = False):
+                eviction=None, tiers=None, ledger: bool = False, compute_dtype: torch.dtype | None = None):
     """An Engine over a tiny random model: (engine, hf_model). kernels: the C++ decode
     attention (or a spy on it); None runs decode attention through torch's SDPA. The model's
     attention is sharp by default: engine tests compare greedy tokens, and only then do the
     tokens depend on what attention computed. eviction: the pool's EvictionPolicy (LRU if None).
     tiers: a TierConfig for host and disk KV tiers (engine.tiers is then the KvTiers).
-    ledger: keep a ledger (engine.ledger), with tombstones in the pool for its miss reasons."""
+    ledger: keep a ledger (engine.ledger), with tombstones in the pool for its miss reasons.
+    compute_dtype: the activations' dtype when not `dtype` (fp32 over bf16 weights and KV)."""
     from agentserve.config import SchedulerConfig
     from agentserve.engine.engine import Engine
     from agentserve.engine.scheduler import Scheduler
@@ -107,7 +108,7 @@ def tiny_engine(arch: str = "qwen2", *, block_size: int = 4, num_blocks: int = 6
 
     hf = tiny_hf_model(arch, sharp_attention=sharp_attention)
     cfg = model_config_of(hf, arch)
-    model = Transformer(cfg, weights_of(hf, dtype), kernels=kernels)
+    model = Transformer(cfg, weights_of(hf, dtype), kernels=kernels, compute_dtype=compute_dtype)
     runner = ModelRunner(model, num_blocks, block_size, dtype, torch.device("cpu"))
     tombstones = None
     if ledger:
@@ -192,6 +193,7 @@ class KernelSpy:
     prefill_over_cache: int = 0  # of them, chunks starting past position 0
     max_prefill_context: int = 0
     small_linear_calls: int = 0  # few-row bf16 matmuls through csrc/small_linear.cpp
+    widened_calls: int = 0  # few-row matmuls of bf16 weights in fp32 through csrc/widened_linear.cpp
     norm_calls: int = 0  # RMSNorms (with or without the residual add) through csrc/norm_rope.cpp
     rope_calls: int = 0
     silu_calls: int = 0
@@ -209,6 +211,17 @@ class KernelSpy:
     def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         self.small_linear_calls += 1
         return self.kernels.small_linear(x, weight, bias)
+
+    def widened_rows(self, k: int) -> int:
+        return self.kernels.widened_rows(k)
+
+    def widened_linear(self, x: torch.Tensor, pairs: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        self.widened_calls += 1
+        return self.kernels.widened_linear(x, pairs, n, bias)
+
+    @property
+    def avx2_attention(self) -> bool:
+        return self.kernels.avx2_attention
 
     def supports(self, head_dim: int) -> bool:
         return self.kernels.supports(head_dim)

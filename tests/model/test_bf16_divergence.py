@@ -130,7 +130,7 @@ def hf(llm):
 @pytest.fixture(scope="module")
 def runs(llm, hf) -> tuple[list[Run], str]:
     """The runs, and which decode attention ours used."""
-    kernels = llm.runner.model.kernels
+    kernels, widened = llm.runner.model.kernels, llm.runner.model.widened
     spy = None if kernels is None else KernelSpy(kernels)
     if spy is not None:
         spy.install(llm.runner.model)
@@ -141,13 +141,17 @@ def runs(llm, hf) -> tuple[list[Run], str]:
     if spy is not None:  # every generated token but the first came from a decode row
         assert spy.num_rows >= llm.model_config.num_layers * len(outputs) * (NEW_TOKENS - 1)
         assert spy.max_context > 256  # LONG's decodes: the rescale between tiles ran, in bf16
-        if kernels.bf16_small_linear:  # decode steps of few rows went through the C++ matmul
-            assert spy.small_linear_calls >= 4 * llm.model_config.num_layers
-        # in every step (at least one per new token), every layer's two norms and its RoPE + KV
-        # write went through csrc/norm_rope.cpp
-        assert spy.norm_calls >= 2 * llm.model_config.num_layers * NEW_TOKENS
-        assert spy.rope_calls >= llm.model_config.num_layers * NEW_TOKENS
-        assert spy.silu_calls >= llm.model_config.num_layers * NEW_TOKENS
+        if widened:  # no bf16 dot product here: bf16 weights and KV, fp32 arithmetic
+            if kernels.avx2_widened_linear:  # decode steps of few rows through csrc/widened_linear.cpp
+                assert spy.widened_calls >= 4 * llm.model_config.num_layers * NEW_TOKENS
+        else:
+            if kernels.bf16_small_linear:  # decode steps of few rows went through the C++ matmul
+                assert spy.small_linear_calls >= 4 * llm.model_config.num_layers
+            # in every step (at least one per new token), every layer's two norms and its RoPE + KV
+            # write went through csrc/norm_rope.cpp
+            assert spy.norm_calls >= 2 * llm.model_config.num_layers * NEW_TOKENS
+            assert spy.rope_calls >= llm.model_config.num_layers * NEW_TOKENS
+            assert spy.silu_calls >= llm.model_config.num_layers * NEW_TOKENS
     hf32, hf16 = hf
     result = []
     for o in outputs:

@@ -1,6 +1,11 @@
 """Real agent frameworks run a two-tool loop against the real server on Qwen2.5-Coder-0.5B.
 
-The server is a subprocess on a loopback port (loaded once for the module); decoding is greedy.
+The server is a subprocess on a loopback port (loaded once for the module); decoding is greedy,
+over the bf16 weights and KV computed in fp32 (`--compute-dtype float32`): bf16 arithmetic
+rounds differently on each CPU's path (AVX512-BF16 kernels, AMX through torch's SDPA), and the
+0.5B model's greedy wording moved with it (on an Intel CPU with AMX and on an AMD Zen 3, bf16:
+"This is the temperature in Paris in Fahrenheit.", without the value); in fp32 it is the same on
+every CPU this ran on.
 The tools are Python functions the frameworks call; each run must call both with the right
 arguments and end with a text answer built from their results, not with call JSON. The first
 tests pin what the model writes at each step of that loop through the plain `openai` client:
@@ -81,11 +86,9 @@ class Turns:
 
 def check_answer(answer: object, value: str | None = None) -> None:
     """A text answer after the tool results: no parser finds a call in it, nor does it hold call
-    JSON a parser might have missed (the server's part: the loop ends in an answer). Whether the
-    0.5B model's greedy wording names the converted value moves with the bf16 rounding of the
-    attention path chosen at start-up (on an Intel CPU with AMX, torch's SDPA: "This is the
-    temperature in Paris in Fahrenheit."), so the frameworks' runs do not assert it (the tools'
-    arguments they do); `value` is asserted where a test gives it (the loop rule's fixed turns)."""
+    JSON a parser might have missed (the server's part: the loop ends in an answer). The
+    frameworks' runs do not assert the model's wording (the tools' arguments they do); `value` is
+    asserted where a test gives it (the loop rule's fixed turns)."""
     assert isinstance(answer, str) and answer.strip(), answer
     offered = {t["function"]["name"]: t["function"] for t in TOOLS}
     assert extract(get_parser("auto"), answer, offered).calls == ()
@@ -95,7 +98,7 @@ def check_answer(answer: object, value: str | None = None) -> None:
 
 @pytest.fixture(scope="module")
 def server():
-    with served(["--model", M, "--max-model-len", "4096"]) as s:
+    with served(["--model", M, "--max-model-len", "4096", "--compute-dtype", "float32"]) as s:
         yield s.url
 
 

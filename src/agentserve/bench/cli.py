@@ -31,6 +31,32 @@ def _engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _precision(args: argparse.Namespace) -> int:
+    from agentserve.bench.precision_bench import MODES, rows_as_dicts, run_precision_bench
+    from agentserve.model.precision import cpu_flags, cpu_has_native_bf16
+    from agentserve.model.reference import set_threads
+
+    threads = set_threads(args.threads)
+    modes = tuple(MODES) if args.modes is None else tuple(m.strip() for m in args.modes.split(","))
+    rows = run_precision_bench(args.model, modes, tuple(args.prompt_lens), tuple(args.batches),
+                               args.decode_tokens, args.repeats, args.cache_root)
+    native = "native bf16 (AVX512-BF16 / AMX)" if cpu_has_native_bf16() else "no bf16 dot product"
+    t = Table(title=f"precision bench: {args.model}, {threads} threads, {platform.machine()}, {native}; "
+                    f"best of {args.repeats}")
+    metrics = list(dict.fromkeys(r.metric for r in rows))
+    t.add_column("metric")
+    for m in modes:
+        t.add_column(m, justify="right")
+    for metric in metrics:
+        t.add_row(metric, *(f"{r.value:.1f}" for m in modes for r in rows if r.mode == m and r.metric == metric))
+    Console().print(t)
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    Console().print(f"CPU flags: {' '.join(flags) or 'none read'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows_as_dicts(rows), indent=2))
+    return 0
+
+
 def _attention(args: argparse.Namespace) -> int:
     from agentserve.model.attention_bench import run_attention_bench
     from agentserve.model.cpu_kernels import load_cpu_kernels
@@ -252,6 +278,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--json", default=None, help="also write the rows to this JSON file")
     e.set_defaults(func=_engine)
+    pr = sub.add_parser("precision", help="a bf16 model in fp32 arithmetic vs bf16 arithmetic vs fp32 weights")
+    pr.add_argument("--model", default="qwen2.5-coder-0.5b")
+    pr.add_argument("--modes", default=None, help="comma-separated, of: " + ", ".join(
+        ["bf16 weights, fp32 arithmetic", "bf16 arithmetic", "fp32 weights"]) + " (default: all)")
+    pr.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048])
+    pr.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
+    pr.add_argument("--decode-tokens", type=int, default=32)
+    pr.add_argument("--repeats", type=int, default=2)
+    pr.add_argument("--threads", type=int, default=None)
+    pr.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    pr.set_defaults(func=_precision)
     at = sub.add_parser("attention", help="the C++ prefill attention vs torch's SDPA, chunk by chunk")
     at.add_argument("--budget", type=float, default=2.0, help="seconds of repeats per side and row")
     at.add_argument("--threads", type=int, default=None)

@@ -16,6 +16,7 @@ from agentserve.model.config import ModelConfig
 from agentserve.model.cpu_kernels import CpuKernels, load_cpu_kernels
 from agentserve.model.guided import GuidedDecoding
 from agentserve.model.loader import load_weights
+from agentserve.model.precision import compute_dtype
 from agentserve.model.runner import ModelRunner, num_blocks_for_memory
 from agentserve.model.transformer import Transformer
 
@@ -52,14 +53,22 @@ class BuiltRunner:
 
 
 def build_runner(model_dir: Path, config: ModelConfig, dtype: str, device: str | None,
-                 cache: CacheConfig, seed: int, tokenizer: Any = None, cpu_kernels: bool = True) -> BuiltRunner:
+                 cache: CacheConfig, seed: int, tokenizer: Any = None, cpu_kernels: bool = True,
+                 compute: str = "auto") -> BuiltRunner:
     """tokenizer enables constrained decoding (its token table is built on first use);
-    cpu_kernels builds the C++ decode attention on CPU (torch's SDPA where it cannot be built)."""
+    cpu_kernels builds the C++ decode attention on CPU (torch's SDPA where it cannot be built);
+    compute: the activations' dtype (model/precision.py: auto computes bf16 weights in fp32 on a
+    CPU without a bf16 dot product)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    ct = compute_dtype(dt, dev, compute)
+    if ct != dt:
+        log.info("computing the %s model in %s: this CPU has no bf16 dot product (AVX512-BF16 or AMX); "
+                 "weights and KV stay %s (--compute-dtype bfloat16 forces bf16 arithmetic)",
+                 dtype, str(ct).removeprefix("torch."), dtype)
     weights = {k: v.to(dev) for k, v in load_weights(model_dir, dt).items()}
     kernels = load_cpu_kernels() if cpu_kernels and dev.type == "cpu" else None
-    model = Transformer(config, weights, kernels=kernels)
-    if kernels is not None and dt == torch.bfloat16 and kernels.supports_prefill(dt, config.head_dim):
+    model = Transformer(config, weights, kernels=kernels, compute_dtype=ct)
+    if kernels is not None and ct == torch.bfloat16 and kernels.supports_prefill(ct, config.head_dim):
         wins, row = _prefill_choice(kernels, config.num_heads, config.num_kv_heads, config.head_dim)
         model.bf16_prefill_kernel = wins
         log.info("prefill attention (bf16): %s (%d-row chunk over %d cached: kernel %.2f ms, torch SDPA %.2f ms)",

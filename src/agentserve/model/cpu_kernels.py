@@ -14,7 +14,10 @@ prefix. Both kernels read the K/V rows in place by slot:
   packed matmul here at 1-8 rows (it keeps a row-major copy of the weights beside oneDNN's);
 - `csrc/norm_rope.cpp`: in bf16, the residual add with the RMSNorm after it, RoPE with the
   KV-cache write and the MLP's SiLU(gate) * up, one call each instead of ~35 small torch ops
-  a layer, which cost a decode step's few rows far more than their arithmetic.
+  a layer, which cost a decode step's few rows far more than their arithmetic;
+- `csrc/widened_linear.cpp`: on CPUs without a bf16 dot product (AVX2, where a bf16 model is
+  computed in fp32: model/precision.py), the few-row matmuls of decode with fp32 inputs and the
+  bf16 weights widened in registers: half the bytes of an fp32 weight, which they are bound by.
 Anything that stops the build (no compiler, a build error) leaves the torch path in use; the
 kernels are tested against the torch path and against an fp64 reference.
 `LLM(cpu_kernels=False)` / `agentserve serve --no-cpu-kernels` turn them off.
@@ -38,8 +41,10 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "small_linear.cpp", "norm_rope.cpp")  # one module
+SOURCES = ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "small_linear.cpp", "norm_rope.cpp",
+           "widened_linear.cpp")  # one module
 HEAD_DIMS = (16, 32, 64, 128)  # compiled in; other head sizes use the torch path
+WIDENED_ROWS = 48  # the widened kernel's limit; more rows go to MKL's fp32 matmul (crossover 48-64 here)
 # -fopenmp at compile time only: at::parallel_for's pragmas then bind, when the module loads,
 # to the OpenMP runtime torch already loaded (one thread pool, not two).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -50,6 +55,8 @@ class CpuKernels:
     module: Any
     bf16_prefill: bool  # the AVX512-BF16 prefill kernel was compiled (else SDPA is faster for bf16)
     bf16_small_linear: bool  # the AVX512-BF16 few-row linear kernel was compiled
+    avx2_widened_linear: bool = False  # widened_linear has its AVX2/FMA body (else plain loops)
+    avx2_attention: bool = False  # fp32 prefill attention has its AVX2/FMA kernel (else plain loops)
 
     def supports(self, head_dim: int) -> bool:
         return head_dim in HEAD_DIMS
@@ -72,6 +79,18 @@ class CpuKernels:
     def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + b in bf16 for x: [rows <= small_linear_rows(K), K], W: [N, K] row-major."""
         return self.module.small_linear_bf16(x, weight, bias)
+
+    def widened_rows(self, k: int) -> int:
+        """The most rows worth sending to the widened kernel for inputs of width k (0: none).
+        Measured against MKL's fp32 matmul on an fp32 copy of the weight (docs/benchmarks.md,
+        "CPUs without a bf16 dot product"): it reads half the bytes, and wins while the step is
+        bound by them."""
+        return WIDENED_ROWS if self.avx2_widened_linear else 0
+
+    def widened_linear(self, x: torch.Tensor, pairs: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b in fp32 for x: [rows, K] fp32, W: [n, K] bf16 as `pack_pairs` lays it out,
+        b: [n] fp32."""
+        return self.module.widened_linear(x, pairs, n, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of each row of x: [rows, n] bf16, as transformer.rms_norm rounds it."""
@@ -100,6 +119,15 @@ class CpuKernels:
         """q: [rows, heads, dim] at positions start .. start + rows - 1; context_slots:
         [start + rows] the slots of positions 0 .. start + rows - 1 (the chunk's own included)."""
         return self.module.prefill_attention(q.contiguous(), k_cache, v_cache, context_slots, start, scale)
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """W: [N, K] bf16 -> [ceil(N / 2), K, 2]: rows in pairs, interleaved value by value (an odd N
+    padded with a zero row), the layout csrc/widened_linear.cpp reads."""
+    n, k = weight.shape
+    if n % 2:
+        weight = torch.cat([weight, weight.new_zeros(1, k)])
+    return weight.view(-1, 2, k).transpose(1, 2).contiguous()
 
 
 def _cpu_tag() -> bytes:
@@ -179,4 +207,5 @@ def load_cpu_kernels() -> CpuKernels | None:
     except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
         log.warning("C++ attention kernels unavailable (%s: %s); using torch's SDPA", type(exc).__name__, exc)
         return None
-    return CpuKernels(module, bool(module.has_bf16_micro_kernel()), bool(module.has_bf16_small_linear()))
+    return CpuKernels(module, bool(module.has_bf16_micro_kernel()), bool(module.has_bf16_small_linear()),
+                      bool(module.has_avx2_widened_linear()), bool(module.has_avx2_attention()))

@@ -56,16 +56,21 @@ class ModelRunner:
 
     def kernel_options(self) -> str:
         """What else in the forward changes the KV bits (linear packing is checked bit-exact)."""
-        dtype = self.kv.k[0].dtype
+        dtype = self.model.compute_dtype
         kernels = "cpp-decode" if self.model.kernels is not None else "sdpa"
         if self.model.prefill_reads_in_place(dtype, self.device):
             kernels += "+cpp-prefill"  # its rounding differs from SDPA's, so later layers' KV does
             if dtype == torch.bfloat16:
                 kernels += "+bf16-decode-tiles"  # decode through the same micro kernel
+            elif self.model.kernels.avx2_attention:
+                kernels += "+avx2-tiles"  # fp32 prefill through the AVX2 kernel: its own sums' order
         linear = "small-rows" if self.model.uses_small_linear() else "onednn"  # the sums' order
         if self.model.fused_norm_rope:
             linear += "+cpp-norm-rope"  # the RMSNorm's sum of squares in another order
-        return f"attention={kernels};linear={linear};torch={torch.__version__};device={self.device.type}"
+        options = f"attention={kernels};linear={linear};torch={torch.__version__};device={self.device.type}"
+        if self.model.widened:  # bf16 weights and KV computed in fp32: other KV bits altogether
+            options += f";compute={str(dtype).removeprefix('torch.')}"
+        return options
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
         return self.kv.read_blocks(block_ids)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from agentserve.model.config import ModelConfig
-from agentserve.model.cpu_kernels import CpuKernels
+from agentserve.model.cpu_kernels import CpuKernels, pack_pairs
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +129,26 @@ class Linear:
     With `small` (the C++ few-row kernel, csrc/small_linear.cpp) the row-major weight is kept
     as well, and matmuls of 1 to `small_rows` rows go to it: they are bound by memory
     bandwidth, which it uses better than oneDNN does (~1.1-2x here at 1-8 rows). The price is
-    a second copy of the weights in RAM (~1 GB for Qwen2.5-0.5B); `--no-cpu-kernels` drops it."""
+    a second copy of the weights in RAM (~1 GB for Qwen2.5-0.5B); `--no-cpu-kernels` drops it.
+
+    Widened (bf16 weights computed in fp32, model/precision.py): an fp32 copy serves matmuls of
+    many rows (MKL's sgemm), and with `small` the bf16 weight stays for those of 1 to
+    `small_rows` rows, which csrc/widened_linear.cpp widens in registers (half the bytes)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
-                 small: CpuKernels | None = None) -> None:
+                 small: CpuKernels | None = None, compute: torch.dtype | None = None) -> None:
         self.weight, self.bias, self.packed = weight, bias, None
+        self.full: torch.Tensor | None = None  # widened: the fp32 copy for many rows
+        self.widened = (compute == torch.float32 and weight.dtype == torch.bfloat16
+                        and weight.device.type == "cpu")
+        if self.widened:
+            self.full = weight.float()
+            self.bias = None if bias is None else bias.float()
+            self.small = small if small is not None and small.widened_rows(weight.shape[1]) > 0 else None
+            self.small_rows = self.small.widened_rows(weight.shape[1]) if self.small is not None else 0
+            # the kernel's own layout of the bf16 weight (rows in interleaved pairs), or none
+            self.weight = None if self.small is None else pack_pairs(weight)
+            return
         bf16_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         self.small = small if bf16_cpu else None
         self.small_rows = self.small.small_linear_rows(weight.shape[1]) if self.small is not None else 0
@@ -143,6 +158,10 @@ class Linear:
                 self.weight = None  # the packed copy replaces it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.widened:
+            if self.small is not None and 0 < x.shape[0] <= self.small_rows:
+                return self.small.widened_linear(x, self.weight, self.full.shape[0], self.bias)
+            return F.linear(x, self.full, self.bias)
         if self.small is not None and 0 < x.shape[0] <= self.small_rows:
             return self.small.small_linear(x, self.weight, self.bias)
         if self.packed is not None:
@@ -178,24 +197,33 @@ class Layer:
 
 class Transformer:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], pack: bool = True,
-                 kernels: CpuKernels | None = None) -> None:
+                 kernels: CpuKernels | None = None, compute_dtype: torch.dtype | None = None) -> None:
+        """compute_dtype: the activations' dtype, when not the weights' (fp32 over bf16
+        weights and KV on CPUs without a bf16 dot product: model/precision.py)."""
         self.config = config
         self.kernels = kernels  # C++ decode attention on CPU, where it could be built
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = Linear(weights.get("lm_head.weight", self.embed), None, pack, kernels)
-        self.norm = weights["model.norm.weight"]
-        self.layers = [self._layer(weights, i, pack, kernels) for i in range(config.num_layers)]
+        self.compute_dtype = compute_dtype or self.embed.dtype
+        self.widened = self.compute_dtype != self.embed.dtype  # storage stays, arithmetic widens
+        c = self.compute_dtype
+        self.lm_head = Linear(weights.get("lm_head.weight", self.embed), None, pack, kernels, c)
+        self.norm = self._compute(weights["model.norm.weight"])
+        self.layers = [self._layer(weights, i, pack, kernels, c) for i in range(config.num_layers)]
         self.scale = config.head_dim ** -0.5
         # bf16 on CPU: residual add + RMSNorm, RoPE + KV write and SiLU * up as one C++ call
         # each (csrc/norm_rope.cpp, the same roundings); a plain attribute so a bench can compare.
         self.fused_norm_rope = (kernels is not None and self.embed.device.type == "cpu"
-                                and self.embed.dtype == torch.bfloat16)
+                                and self.compute_dtype == torch.bfloat16)
         # bf16 prefill attention on the C++ kernel; build_runner sets it from a side-by-side
         # measurement at start-up (model/attention_bench.prefill_kernel_wins). fp32 always uses it.
         self.bf16_prefill_kernel = True
 
-    @staticmethod
-    def _layer(w: dict[str, torch.Tensor], i: int, pack: bool, small: CpuKernels | None) -> Layer:
+    def _compute(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A small parameter (a norm's weight) in the compute dtype."""
+        return t if t is None else t.to(self.compute_dtype)
+
+    def _layer(self, w: dict[str, torch.Tensor], i: int, pack: bool, small: CpuKernels | None,
+               c: torch.dtype) -> Layer:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         qkv_w = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
@@ -203,11 +231,12 @@ class Transformer:
         if a + "q_proj.bias" in w:
             qkv_b = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
         return Layer(
-            qkv=Linear(qkv_w, qkv_b, pack, small), o=Linear(w[a + "o_proj.weight"], None, pack, small),
-            gate_up=Linear(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]), None, pack, small),
-            down=Linear(w[m + "down_proj.weight"], None, pack, small),
-            input_norm=w[p + "input_layernorm.weight"], post_norm=w[p + "post_attention_layernorm.weight"],
-            q_norm=w.get(a + "q_norm.weight"), k_norm=w.get(a + "k_norm.weight"))
+            qkv=Linear(qkv_w, qkv_b, pack, small, c), o=Linear(w[a + "o_proj.weight"], None, pack, small, c),
+            gate_up=Linear(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]), None, pack, small, c),
+            down=Linear(w[m + "down_proj.weight"], None, pack, small, c),
+            input_norm=self._compute(w[p + "input_layernorm.weight"]),
+            post_norm=self._compute(w[p + "post_attention_layernorm.weight"]),
+            q_norm=self._compute(w.get(a + "q_norm.weight")), k_norm=self._compute(w.get(a + "k_norm.weight")))
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
@@ -216,7 +245,7 @@ class Transformer:
         """token_ids, positions, write_slots: [num_tokens]; chunks and decode cover every row
         once; returns fp32 logits for the rows in logit_rows: [len(logit_rows), vocab]."""
         cfg = self.config
-        h = self.embed[token_ids]  # [num_tokens, hidden]
+        h = self.embed[token_ids].to(self.compute_dtype)  # [num_tokens, hidden]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, h.dtype)
         in_place = self.prefill_reads_in_place(h.dtype, h.device)
         # the SDPA path's additive masks, built once and used by every layer; the kernel needs none
@@ -275,8 +304,12 @@ class Transformer:
             qk = apply_rope(qkv[:, : q_size + kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         if not fused:
+            if self.widened:  # stored in the cache's dtype; this chunk reads them back as stored
+                k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
             k_cache.index_copy_(0, write_slots, k)
             v_cache.index_copy_(0, write_slots, v)
+            if self.widened:
+                k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
         if decode is not None and decode.rows.shape[0] == n:  # a decode-only step: rows 0..n-1 in order
             return layer.o(self._decode_attention(q, decode, k_cache, v_cache).reshape(n, -1))
         out = torch.empty_like(q)  # [num_tokens, heads, head_dim]
@@ -295,7 +328,8 @@ class Transformer:
         return layer.o(out.view(n, -1))
 
     def uses_small_linear(self) -> bool:
-        """Whether few-row matmuls go to the C++ kernel (bf16 on CPU with AVX512-BF16)."""
+        """Whether few-row matmuls go to a C++ kernel (bf16 on CPU with AVX512-BF16; widened bf16
+        weights on CPUs with AVX2)."""
         return self.lm_head.small_rows > 0
 
     def linears(self) -> list[Linear]:
@@ -332,8 +366,8 @@ class Transformer:
         kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
         group = q.shape[1] // kv_heads
         flat = d.slots.reshape(-1)
-        keys = k_cache.index_select(0, flat).view(b, ctx, kv_heads, dim).transpose(1, 2)
-        values = v_cache.index_select(0, flat).view(b, ctx, kv_heads, dim).transpose(1, 2)
+        keys = k_cache.index_select(0, flat).to(q.dtype).view(b, ctx, kv_heads, dim).transpose(1, 2)
+        values = v_cache.index_select(0, flat).to(q.dtype).view(b, ctx, kv_heads, dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.view(b, kv_heads, group, dim), keys, values,
                                              attn_mask=d.visible, scale=self.scale)
         return out.reshape(b, kv_heads * group, dim)
@@ -360,8 +394,8 @@ class Transformer:
         kv_heads = k_cache.shape[1]
         group = heads // kv_heads
         folded = q.view(rows, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * rows, dim)
-        keys = k_cache.index_select(0, c.context_slots).transpose(0, 1).unsqueeze(0)
-        values = v_cache.index_select(0, c.context_slots).transpose(0, 1).unsqueeze(0)
+        keys = k_cache.index_select(0, c.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        values = v_cache.index_select(0, c.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
         return o.view(kv_heads, group, rows, dim).permute(2, 0, 1, 3).reshape(rows, heads, dim)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from agentserve.config import ServerConfig, TierConfig
 from agentserve.ledger.prices import PriceError
+from agentserve.model.precision import CHOICES as PRECISION_CHOICES
 from agentserve.server.grammars import add_grammar_args, grammar_config
 from agentserve.server.tool_parsers import get_parser
 
@@ -30,7 +31,8 @@ def build_state(args: argparse.Namespace):
               max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
               device=args.device, cache_root=args.cache_root, cpu_kernels=not args.no_cpu_kernels,
-              residency=args.residency, tiers=tier_config(args), ledger=not args.no_ledger)
+              residency=args.residency, tiers=tier_config(args), ledger=not args.no_ledger,
+              compute_dtype=args.compute_dtype)
     if llm.runner.guided is not None:
         llm.runner.guided.warm()  # constrained decoding's token table: built now, not on a request
     # Start-up's ~450k objects (tokenizer tables, modules) leave the collector's view: a full
@@ -145,7 +147,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the weights' and KV cache's dtype")
+    p.add_argument("--compute-dtype", default="auto", choices=list(PRECISION_CHOICES),
+                   help="the arithmetic's dtype: auto = fp32 for a bf16 model on a CPU without a bf16 "
+                        "dot product (AVX512-BF16 or AMX), else --dtype (docs/architecture.md, precision)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)

@@ -6,11 +6,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& slots, int64_t start, double scale);
 bool has_bf16_micro_kernel();
+bool has_avx2_attention();
 at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& slots, const at::Tensor& lens, double scale);
 at::Tensor small_linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 bool has_bf16_small_linear();
 int64_t small_linear_rows(int64_t K);
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias);
+bool has_avx2_widened_linear();
 at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor add_rms_norm_bf16(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps);
 at::Tensor silu_mul_bf16(const at::Tensor& gate_up);
@@ -23,10 +26,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_bf16", &small_linear_bf16, "few-row bf16 linear: x W^T + b (CPU, AVX512-BF16)");
   m.def("has_bf16_small_linear", &has_bf16_small_linear, "whether small_linear_bf16 was compiled");
   m.def("small_linear_rows", &small_linear_rows, "the most rows worth sending to small_linear_bf16 for width K");
+  m.def("widened_linear", &widened_linear, "few-row linear, fp32 x and bf16 W (rows in interleaved pairs) widened in registers: x W^T + b (CPU)");
+  m.def("has_avx2_widened_linear", &has_avx2_widened_linear, "whether widened_linear has its AVX2/FMA body");
   m.def("decode_attention_bf16", &decode_attention_bf16, "paged decode attention in bf16 via the prefill micro kernel (CPU)");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of each row, bf16 (CPU)");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "h += d in place, then RMSNorm of h, bf16 (CPU)");
   m.def("rope_store_bf16", &rope_store_bf16, "RoPE on q and k in a fused qkv row, in place, and the K/V cache write, bf16 (CPU)");
   m.def("silu_mul_bf16", &silu_mul_bf16, "SiLU(gate) * up over the fused gate and up projections, bf16 (CPU)");
+  m.def("has_avx2_attention", &has_avx2_attention, "whether fp32 prefill attention has its AVX2/FMA kernel");
   m.def("has_bf16_micro_kernel", &has_bf16_micro_kernel, "whether bf16 prefill uses the AVX512-BF16 kernel");
 }

@@ -35,16 +35,18 @@ inline void widen(const at::BFloat16* src, float* dst) {
   std::memcpy(dst, wide, sizeof(wide));
 }
 
-template <typename scalar_t, int D>
+// q_t: the queries' and the output's type; kv_t: the cache's (fp32 queries over a bf16 cache on
+// CPUs that compute bf16 models in fp32).
+template <typename q_t, typename kv_t, int D>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& slots, const at::Tensor& lens, float scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), KVH = k_cache.size(1), G = H / KVH, L = slots.size(1);
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const q_t* qp = q.data_ptr<q_t>();
+  const kv_t* kp = k_cache.data_ptr<kv_t>();
+  const kv_t* vp = v_cache.data_ptr<kv_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
+  q_t* op = out.data_ptr<q_t>();
   const int64_t row = KVH * D;  // elements between consecutive slots
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), s(G * kTile), m(G), l(G);
@@ -94,20 +96,20 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.f / l[g];
-        for (int d = 0; d < D; ++d) op[(b * H + h * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d] * inv);
+        for (int d = 0; d < D; ++d) op[(b * H + h * G + g) * D + d] = static_cast<q_t>(acc[g * D + d] * inv);
       }
     }
   });
 }
 
-template <typename scalar_t>
+template <typename q_t, typename kv_t>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                   const at::Tensor& lens, float scale, at::Tensor& out) {
   switch (q.size(2)) {  // keep in step with HEAD_DIMS in cpu_kernels.py
-    case 16: return run<scalar_t, 16>(q, k, v, slots, lens, scale, out);
-    case 32: return run<scalar_t, 32>(q, k, v, slots, lens, scale, out);
-    case 64: return run<scalar_t, 64>(q, k, v, slots, lens, scale, out);
-    case 128: return run<scalar_t, 128>(q, k, v, slots, lens, scale, out);
+    case 16: return run<q_t, kv_t, 16>(q, k, v, slots, lens, scale, out);
+    case 32: return run<q_t, kv_t, 32>(q, k, v, slots, lens, scale, out);
+    case 64: return run<q_t, kv_t, 64>(q, k, v, slots, lens, scale, out);
+    case 128: return run<q_t, kv_t, 128>(q, k, v, slots, lens, scale, out);
     default: TORCH_CHECK(false, "decode_attention: head_dim ", q.size(2), " not compiled (16, 32, 64, 128)");
   }
 }
@@ -118,16 +120,21 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& slots, const at::Tensor& lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(slots.is_contiguous() && lens.is_contiguous(), "contiguous slots and lens");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "one dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches of one dtype");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() ||
+              (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16),
+              "q of the caches' dtype, or fp32 over bf16 caches");
   TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 slots and lens");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.size(2) == k_cache.size(2), "q [B, H, D], cache [S, KVH, D]");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(slots.size(0) == q.size(0) && lens.size(0) == q.size(0), "one slots row and length per query");
   auto out = at::empty_like(q);
-  if (q.scalar_type() == at::kFloat) {
-    dispatch_dim<float>(q, k_cache, v_cache, slots, lens, static_cast<float>(scale), out);
+  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {
+    dispatch_dim<float, at::BFloat16>(q, k_cache, v_cache, slots, lens, static_cast<float>(scale), out);
+  } else if (q.scalar_type() == at::kFloat) {
+    dispatch_dim<float, float>(q, k_cache, v_cache, slots, lens, static_cast<float>(scale), out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    dispatch_dim<at::BFloat16>(q, k_cache, v_cache, slots, lens, static_cast<float>(scale), out);
+    dispatch_dim<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, slots, lens, static_cast<float>(scale), out);
   } else {
     TORCH_CHECK(false, "decode_attention: dtype ", q.scalar_type(), " not supported (float32, bfloat16)");
   }

@@ -2,7 +2,7 @@
 // positions start .. start + rows - 1 attends causally to its context, slots[0 .. start + rows).
 //
 // q: [rows, H, D]; k_cache, v_cache: [slots, KVH, D]; slots: [start + rows] int64 -> out:
-// [rows, H, D], same dtype as q. No gathered copy of the context and no dense mask: each task
+// [rows, H, D], same dtype as q (q of the caches' dtype, or fp32 over bf16 caches). No gathered copy of the context and no dense mask: each task
 // packs one tile of keys at a time from the pool and masks only the tiles the diagonal crosses.
 //
 // Work split: a task is (KV head, block of kRows rows). Its kRows * G query vectors (G query
@@ -11,15 +11,19 @@
 // every query vector of the block. Tasks run longest first (later rows see more keys) on an
 // OpenMP dynamic schedule, because the causal mask makes their costs unequal.
 //
-// Two implementations of the same task:
+// Three implementations of the same task:
 // - bf16 with AVX512-BF16 (`micro`): QK^T and PV with VDPBF16PS (bf16 pairs, fp32 accumulate).
 //   K is packed pair-major ([D/2][kKeys] words of two bf16) so a broadcast query pair meets 16
 //   keys per instruction; V is packed key-pair-major ([kKeys/2][D] words) so a broadcast pair of
 //   probabilities meets 16 output dimensions. Probabilities are rounded to bf16 for PV, as
 //   torch's flash kernel does for bf16; scores, max, sums and the output stay fp32.
-// - everything else (`generic`): fp32 arithmetic, plain loops the compiler vectorizes. It serves
-//   fp32 (exact tests) and bf16 on CPUs without AVX512-BF16; Python only routes bf16 here when
-//   the micro kernel was compiled (see has_bf16_micro_kernel), since torch's SDPA is faster.
+// - fp32 queries with AVX2 and FMA (`avx2`), over fp32 or bf16 caches: fp32 models, and bf16
+//   models computed in fp32 on CPUs without a bf16 dot product (model/precision.py). K is
+//   widened and packed transposed ([D][kKeys2] floats) so a broadcast query value meets 8 keys
+//   per FMA; V row-major ([kKeys2][D] floats) so a broadcast probability meets 8 dimensions.
+//   All arithmetic fp32; the softmax's exp2 is a polynomial (relative error ~2e-7).
+// - everything else (`generic`): fp32 arithmetic, plain loops the compiler vectorizes, for CPUs
+//   without AVX2; bf16 queries there stay on torch's SDPA (see has_bf16_micro_kernel).
 // Scores are kept in the log2 domain (scaled by scale * log2(e)) so the softmax uses exp2. The
 // running max starts at a large negative finite value: -ffast-math assumes no infinities.
 #include <torch/extension.h>
@@ -35,6 +39,10 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define AGENTSERVE_BF16_MICRO 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define AGENTSERVE_AVX2_MICRO 1
 #endif
 
 namespace prefill {
@@ -68,20 +76,20 @@ inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 
 // ── generic: fp32 arithmetic over any element type ─────────────────────────────────────────
-template <typename scalar_t, int D>
-void generic_task(const Shape& s, const Task& t, const scalar_t* qp, const scalar_t* kp, const scalar_t* vp,
-                  scalar_t* op) {
+// q_t: the queries' and the output's type; kv_t: the cache's.
+template <typename q_t, typename kv_t, int D>
+void generic_task(const Shape& s, const Task& t, const q_t* qp, const kv_t* kp, const kv_t* vp, q_t* op) {
   const int64_t M = t.nrows * s.G, row = s.KVH * D, kend = s.start + t.row0 + t.nrows;
   std::vector<float> q(M * D), o(M * D, 0.f), m(M, kMinusLarge), l(M, 0.f), kf(kKeys * D), vf(kKeys * D), sc(kKeys);
   for (int64_t i = 0; i < M; ++i) {
-    const scalar_t* src = qp + ((t.row0 + i / s.G) * s.H + t.head * s.G + i % s.G) * D;
+    const q_t* src = qp + ((t.row0 + i / s.G) * s.H + t.head * s.G + i % s.G) * D;
     for (int d = 0; d < D; ++d) q[i * D + d] = to_float(src[d]) * s.scale_log2;
   }
   for (int64_t t0 = 0; t0 < kend; t0 += kKeys) {
     const int64_t nk = std::min<int64_t>(kKeys, kend - t0);
     for (int64_t j = 0; j < nk; ++j) {
-      const scalar_t* kr = kp + s.slots[t0 + j] * row + t.head * D;
-      const scalar_t* vr = vp + s.slots[t0 + j] * row + t.head * D;
+      const kv_t* kr = kp + s.slots[t0 + j] * row + t.head * D;
+      const kv_t* vr = vp + s.slots[t0 + j] * row + t.head * D;
       for (int d = 0; d < D; ++d) kf[j * D + d] = to_float(kr[d]), vf[j * D + d] = to_float(vr[d]);
     }
     for (int64_t i = 0; i < M; ++i) {
@@ -109,9 +117,9 @@ void generic_task(const Shape& s, const Task& t, const scalar_t* qp, const scala
     }
   }
   for (int64_t i = 0; i < M; ++i) {
-    scalar_t* dst = op + ((t.row0 + i / s.G) * s.H + t.head * s.G + i % s.G) * D;
+    q_t* dst = op + ((t.row0 + i / s.G) * s.H + t.head * s.G + i % s.G) * D;
     const float inv = 1.f / l[i];
-    for (int d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[i * D + d] * inv);
+    for (int d = 0; d < D; ++d) dst[d] = static_cast<q_t>(o[i * D + d] * inv);
   }
 }
 
@@ -329,6 +337,180 @@ void micro_task(const Shape& s, const Task& t, const uint16_t* qp, const uint16_
 }
 #endif
 
+#ifdef AGENTSERVE_AVX2_MICRO
+constexpr int kKeys2 = 64;  // keys per tile: K^T and V in fp32, 2 x 16 KiB at D = 64 (L1)
+constexpr int kQ2 = 4;      // query vectors per micro tile
+
+// 2^x for x <= 0 (x >= -127 after the clamp): 2^round(x) * p(f), |f| <= 0.5, p of degree 6, as
+// exp2_neg above; the power of two is put together in the exponent bits (no scalef in AVX2).
+inline __m256 exp2_neg8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-127.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  // n in [-127, 0]: 2^n as a float is (n + 127) << 23; n = -127 gives 0, below any real weight
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+template <int D>
+inline void widen_row(const float* src, float* dst) { std::memcpy(dst, src, D * sizeof(float)); }
+template <int D>
+inline void widen_row(const at::BFloat16* src, float* dst) {
+  const auto* b = reinterpret_cast<const uint16_t*>(src);
+  for (int d = 0; d < D; d += 8) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + d));
+    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+  }
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+// Scores of kQ2 query vectors (q, rows of D) against keys [j0, j0 + 16) of the packed K^T tile:
+// s[a * kKeys2 + j0 + 0 .. 16). Eight named accumulators (GCC spilled an array of them).
+template <int D>
+inline void scores4x16(const float* q, const float* kt, int j0, float* s) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, e0 = a0, e1 = a0;
+  for (int d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_load_ps(kt + d * kKeys2 + j0), k1 = _mm256_load_ps(kt + d * kKeys2 + j0 + 8);
+    __m256 qb = _mm256_broadcast_ss(q + d);
+    a0 = _mm256_fmadd_ps(qb, k0, a0), a1 = _mm256_fmadd_ps(qb, k1, a1);
+    qb = _mm256_broadcast_ss(q + D + d);
+    b0 = _mm256_fmadd_ps(qb, k0, b0), b1 = _mm256_fmadd_ps(qb, k1, b1);
+    qb = _mm256_broadcast_ss(q + 2 * D + d);
+    c0 = _mm256_fmadd_ps(qb, k0, c0), c1 = _mm256_fmadd_ps(qb, k1, c1);
+    qb = _mm256_broadcast_ss(q + 3 * D + d);
+    e0 = _mm256_fmadd_ps(qb, k0, e0), e1 = _mm256_fmadd_ps(qb, k1, e1);
+  }
+  _mm256_store_ps(s + j0, a0), _mm256_store_ps(s + j0 + 8, a1);
+  _mm256_store_ps(s + kKeys2 + j0, b0), _mm256_store_ps(s + kKeys2 + j0 + 8, b1);
+  _mm256_store_ps(s + 2 * kKeys2 + j0, c0), _mm256_store_ps(s + 2 * kKeys2 + j0 + 8, c1);
+  _mm256_store_ps(s + 3 * kKeys2 + j0, e0), _mm256_store_ps(s + 3 * kKeys2 + j0 + 8, e1);
+}
+
+// o[a][d0 .. d0 + 16) = o * corr[a] + sum over j < nk of p[a][j] V[j][d0 .. d0 + 16), a < kQ2.
+template <int D>
+inline void pv4x16(const float* p, const float* vt, int64_t nk, int d0, const float* corr, float* o) {
+  __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(o + d0), _mm256_set1_ps(corr[0]));
+  __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(o + d0 + 8), _mm256_set1_ps(corr[0]));
+  __m256 b0 = _mm256_mul_ps(_mm256_loadu_ps(o + D + d0), _mm256_set1_ps(corr[1]));
+  __m256 b1 = _mm256_mul_ps(_mm256_loadu_ps(o + D + d0 + 8), _mm256_set1_ps(corr[1]));
+  __m256 c0 = _mm256_mul_ps(_mm256_loadu_ps(o + 2 * D + d0), _mm256_set1_ps(corr[2]));
+  __m256 c1 = _mm256_mul_ps(_mm256_loadu_ps(o + 2 * D + d0 + 8), _mm256_set1_ps(corr[2]));
+  __m256 e0 = _mm256_mul_ps(_mm256_loadu_ps(o + 3 * D + d0), _mm256_set1_ps(corr[3]));
+  __m256 e1 = _mm256_mul_ps(_mm256_loadu_ps(o + 3 * D + d0 + 8), _mm256_set1_ps(corr[3]));
+  for (int64_t j = 0; j < nk; ++j) {
+    const __m256 v0 = _mm256_load_ps(vt + j * D + d0), v1 = _mm256_load_ps(vt + j * D + d0 + 8);
+    __m256 pb = _mm256_broadcast_ss(p + j);
+    a0 = _mm256_fmadd_ps(pb, v0, a0), a1 = _mm256_fmadd_ps(pb, v1, a1);
+    pb = _mm256_broadcast_ss(p + kKeys2 + j);
+    b0 = _mm256_fmadd_ps(pb, v0, b0), b1 = _mm256_fmadd_ps(pb, v1, b1);
+    pb = _mm256_broadcast_ss(p + 2 * kKeys2 + j);
+    c0 = _mm256_fmadd_ps(pb, v0, c0), c1 = _mm256_fmadd_ps(pb, v1, c1);
+    pb = _mm256_broadcast_ss(p + 3 * kKeys2 + j);
+    e0 = _mm256_fmadd_ps(pb, v0, e0), e1 = _mm256_fmadd_ps(pb, v1, e1);
+  }
+  _mm256_storeu_ps(o + d0, a0), _mm256_storeu_ps(o + d0 + 8, a1);
+  _mm256_storeu_ps(o + D + d0, b0), _mm256_storeu_ps(o + D + d0 + 8, b1);
+  _mm256_storeu_ps(o + 2 * D + d0, c0), _mm256_storeu_ps(o + 2 * D + d0 + 8, c1);
+  _mm256_storeu_ps(o + 3 * D + d0, e0), _mm256_storeu_ps(o + 3 * D + d0 + 8, e1);
+}
+
+template <typename kv_t, int D>
+void avx2_task(const Shape& s, const Task& t, const float* qp, const kv_t* kp, const kv_t* vp, float* op) {
+  static_assert(D % 16 == 0, "D is a multiple of 16");
+  const int64_t M = t.nrows * s.G, M4 = (M + kQ2 - 1) / kQ2 * kQ2, row = s.KVH * D;
+  const int64_t kend = s.start + t.row0 + t.nrows;
+  // q: [M4][D] scaled by scale * log2(e) (padding vectors zero); o: [M4][D]; pos: each vector's
+  // position (padding: -1, sees nothing); group_last: the latest position in each micro tile
+  std::vector<float> q(M4 * D, 0.f), o(M4 * D, 0.f), m(M4, kMinusLarge), l(M4, 0.f);
+  std::vector<int64_t> pos(M4, -1), group_last(M4 / kQ2, -1);
+  alignas(32) float kt[D * kKeys2];
+  alignas(32) float vt[kKeys2 * D];
+  alignas(32) float sbuf[kQ2 * kKeys2];
+  alignas(32) float wide[D];
+  for (int64_t i = 0; i < M; ++i) {
+    const float* src = qp + ((t.row0 + i / s.G) * s.H + t.head * s.G + i % s.G) * D;
+    for (int d = 0; d < D; ++d) q[i * D + d] = src[d] * s.scale_log2;
+    pos[i] = s.start + t.row0 + i / s.G;
+    group_last[i / kQ2] = pos[i];  // positions rise with i
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t t0 = 0; t0 < kend; t0 += kKeys2) {
+    const int64_t nk = std::min<int64_t>(kKeys2, kend - t0);
+    // the next tile's rows are scattered over the pool: ask for them now (see micro_task)
+    for (int64_t j = t0 + kKeys2; j < std::min<int64_t>(kend, t0 + 2 * kKeys2); ++j) {
+      const char* kr = reinterpret_cast<const char*>(kp + s.slots[j] * row + t.head * D);
+      const char* vr = reinterpret_cast<const char*>(vp + s.slots[j] * row + t.head * D);
+      for (size_t b = 0; b < D * sizeof(kv_t); b += 64) {
+        _mm_prefetch(kr + b, _MM_HINT_T1);
+        _mm_prefetch(vr + b, _MM_HINT_T1);
+      }
+    }
+    // pack: kt[d][j] = K[t0 + j][d], vt[j][d] = V[t0 + j][d]; keys past nk are zero
+    for (int64_t j = 0; j < kKeys2; ++j) {
+      if (j < nk) {
+        widen_row<D>(kp + s.slots[t0 + j] * row + t.head * D, wide);
+        for (int d = 0; d < D; ++d) kt[d * kKeys2 + j] = wide[d];
+        widen_row<D>(vp + s.slots[t0 + j] * row + t.head * D, vt + j * D);
+      } else {
+        for (int d = 0; d < D; ++d) kt[d * kKeys2 + j] = 0.f;
+        std::memset(vt + j * D, 0, D * sizeof(float));
+      }
+    }
+    for (int64_t i0 = 0; i0 < M4; i0 += kQ2) {
+      if (group_last[i0 / kQ2] < t0) continue;  // every vector's keys end before the tile
+      for (int j0 = 0; j0 < kKeys2; j0 += 16) scores4x16<D>(q.data() + i0 * D, kt, j0, sbuf);
+      float corr[kQ2];
+      for (int a = 0; a < kQ2; ++a) {
+        const int64_t visible = std::max<int64_t>(0, std::min<int64_t>(nk, pos[i0 + a] + 1 - t0));
+        const __m256i vis = _mm256_set1_epi32(static_cast<int>(visible));
+        float* sa = sbuf + a * kKeys2;
+        __m256 mx = _mm256_set1_ps(m[i0 + a]);
+        for (int c = 0; c < kKeys2; c += 8) {
+          const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(vis, _mm256_add_epi32(lane, _mm256_set1_epi32(c))));
+          mx = _mm256_max_ps(mx, _mm256_blendv_ps(mx, _mm256_load_ps(sa + c), keep));
+        }
+        const float m_new = hmax8(mx);
+        const __m256 mv = _mm256_set1_ps(m_new);
+        __m256 sum = _mm256_setzero_ps();
+        for (int c = 0; c < kKeys2; c += 8) {
+          const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(vis, _mm256_add_epi32(lane, _mm256_set1_epi32(c))));
+          const __m256 p = _mm256_and_ps(exp2_neg8(_mm256_sub_ps(_mm256_load_ps(sa + c), mv)), keep);
+          _mm256_store_ps(sa + c, p);
+          sum = _mm256_add_ps(sum, p);
+        }
+        corr[a] = std::exp2(m[i0 + a] - m_new);
+        l[i0 + a] = l[i0 + a] * corr[a] + hsum8(sum);
+        m[i0 + a] = m_new;
+      }
+      for (int d0 = 0; d0 < D; d0 += 16) pv4x16<D>(sbuf, vt, nk, d0, corr, o.data() + i0 * D);
+    }
+  }
+  for (int64_t i = 0; i < M; ++i) {
+    float* dst = op + ((t.row0 + i / s.G) * s.H + t.head * s.G + i % s.G) * D;
+    const float inv = 1.f / l[i];
+    for (int d = 0; d < D; ++d) dst[d] = o[i * D + d] * inv;
+  }
+}
+#endif
+
 template <typename F>
 void run_tasks(const std::vector<Task>& tasks, F&& body) {
   const int64_t n = static_cast<int64_t>(tasks.size());
@@ -336,18 +518,18 @@ void run_tasks(const std::vector<Task>& tasks, F&& body) {
   for (int64_t k = 0; k < n; ++k) body(tasks[k]);
 }
 
-template <typename scalar_t, int D>
+template <typename q_t, typename kv_t, int D>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
          int64_t start, float scale, at::Tensor& out) {
   const int64_t rows = q.size(0), H = q.size(1), KVH = k_cache.size(1);
   const Shape s{rows, H, KVH, H / KVH, start, slots.data_ptr<int64_t>(), scale * kLog2e};
   const auto tasks = tasks_longest_first(rows, KVH);
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
+  const q_t* qp = q.data_ptr<q_t>();
+  const kv_t* kp = k_cache.data_ptr<kv_t>();
+  const kv_t* vp = v_cache.data_ptr<kv_t>();
+  q_t* op = out.data_ptr<q_t>();
 #ifdef AGENTSERVE_BF16_MICRO
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && D % 16 == 0) {
+  if constexpr (std::is_same_v<q_t, at::BFloat16> && std::is_same_v<kv_t, at::BFloat16> && D % 16 == 0) {
     const auto* q16 = reinterpret_cast<const uint16_t*>(qp);
     const auto* k16 = reinterpret_cast<const uint16_t*>(kp);
     const auto* v16 = reinterpret_cast<const uint16_t*>(vp);
@@ -356,7 +538,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     return;
   }
 #endif
-  run_tasks(tasks, [&](const Task& t) { generic_task<scalar_t, D>(s, t, qp, kp, vp, op); });
+#ifdef AGENTSERVE_AVX2_MICRO
+  if constexpr (std::is_same_v<q_t, float> && D % 16 == 0) {
+    run_tasks(tasks, [&](const Task& t) { avx2_task<kv_t, D>(s, t, qp, kp, vp, op); });
+    return;
+  }
+#endif
+  run_tasks(tasks, [&](const Task& t) { generic_task<q_t, kv_t, D>(s, t, qp, kp, vp, op); });
 }
 
 #ifdef AGENTSERVE_BF16_MICRO
@@ -387,14 +575,14 @@ void decode_run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 }
 #endif
 
-template <typename scalar_t>
+template <typename q_t, typename kv_t>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                   int64_t start, float scale, at::Tensor& out) {
   switch (q.size(2)) {  // keep in step with HEAD_DIMS in cpu_kernels.py
-    case 16: return run<scalar_t, 16>(q, k, v, slots, start, scale, out);
-    case 32: return run<scalar_t, 32>(q, k, v, slots, start, scale, out);
-    case 64: return run<scalar_t, 64>(q, k, v, slots, start, scale, out);
-    case 128: return run<scalar_t, 128>(q, k, v, slots, start, scale, out);
+    case 16: return run<q_t, kv_t, 16>(q, k, v, slots, start, scale, out);
+    case 32: return run<q_t, kv_t, 32>(q, k, v, slots, start, scale, out);
+    case 64: return run<q_t, kv_t, 64>(q, k, v, slots, start, scale, out);
+    case 128: return run<q_t, kv_t, 128>(q, k, v, slots, start, scale, out);
     default: TORCH_CHECK(false, "prefill_attention: head_dim ", q.size(2), " not compiled (16, 32, 64, 128)");
   }
 }
@@ -405,20 +593,33 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                              const at::Tensor& slots, int64_t start, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == at::kLong && slots.dim() == 1, "int64 slots [context]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "one dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches of one dtype");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() ||
+              (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16),
+              "q of the caches' dtype, or fp32 over bf16 caches");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.size(2) == k_cache.size(2), "q [rows, H, D], cache [S, KVH, D]");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(start >= 0 && slots.size(0) == start + q.size(0), "slots: the context, start + rows of them");
   auto out = at::empty_like(q);
   if (q.size(0) == 0) return out;
-  if (q.scalar_type() == at::kFloat) {
-    prefill::dispatch_dim<float>(q, k_cache, v_cache, slots, start, static_cast<float>(scale), out);
+  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {
+    prefill::dispatch_dim<float, at::BFloat16>(q, k_cache, v_cache, slots, start, static_cast<float>(scale), out);
+  } else if (q.scalar_type() == at::kFloat) {
+    prefill::dispatch_dim<float, float>(q, k_cache, v_cache, slots, start, static_cast<float>(scale), out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    prefill::dispatch_dim<at::BFloat16>(q, k_cache, v_cache, slots, start, static_cast<float>(scale), out);
+    prefill::dispatch_dim<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, slots, start, static_cast<float>(scale), out);
   } else {
     TORCH_CHECK(false, "prefill_attention: dtype ", q.scalar_type(), " not supported (float32, bfloat16)");
   }
   return out;
+}
+
+bool has_avx2_attention() {
+#ifdef AGENTSERVE_AVX2_MICRO
+  return true;
+#else
+  return false;
+#endif
 }
 
 bool has_bf16_micro_kernel() {
