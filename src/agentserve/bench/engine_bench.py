@@ -3,7 +3,9 @@ measured side by side in one run.
 
 Rows: prefill tokens/s on a 1,000-token prompt; decode tokens/s at batch 1; total decode
 tokens/s with 8 concurrent requests (transformers runs them one at a time); and the machine's
-measured bf16/fp32 matmul GFLOP/s, whose prefill ceiling is GFLOP/s / (2 x parameters).
+measured matmul GFLOP/s in the dtype our engine computes in (fp32 for a bf16 model on a CPU
+without a bf16 dot product: model/precision.py), whose prefill ceiling is GFLOP/s / (2 x
+parameters). transformers runs in `dtype` as it is.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def run_bench(model: str, dtype: str, cache_root, prompt_len: int = 1000, decode
     hf_seq = best_of(1, lambda: sum(hf.generate_s(p, decode_tokens) - hf.generate_s(p, 1) for p in short))
     our_conc = best_of(repeats, ours_decode(short))
     n_dec = decode_tokens - 1
-    gflops = matmul_gflops(dtype)
+    computed = str(llm.runner.model.compute_dtype).removeprefix("torch.")  # our ceiling: fp32 where bf16 widens
+    gflops = matmul_gflops(computed)
     # Per prefill token the layers cost 2 FLOPs per weight; the embedding is a lookup and the
     # output projection runs once per sequence, so neither counts.
     embed = llm.model_config.vocab_size * llm.model_config.hidden_size
@@ -73,7 +76,7 @@ def run_bench(model: str, dtype: str, cache_root, prompt_len: int = 1000, decode
         BenchRow("decode tok/s, batch 1", n_dec / our_dec1, n_dec / hf_dec1, "tok/s"),
         BenchRow(f"decode tok/s, {concurrency} requests (HF: one at a time)",
                  concurrency * n_dec / our_conc, concurrency * n_dec / hf_seq, "tok/s"),
-        BenchRow(f"matmul GFLOP/s ({dtype}); prefill ceiling = {gflops * 1e9 / (2 * params):.0f} tok/s",
+        BenchRow(f"matmul GFLOP/s ({computed}); prefill ceiling = {gflops * 1e9 / (2 * params):.0f} tok/s",
                  gflops, gflops, "GFLOP/s"),
     ]
 
