@@ -21,6 +21,16 @@ namespace {
 
 constexpr int kTile = 128;
 constexpr float kMinusLarge = -1e30f;
+// Keys ahead whose K row is asked for while this one is scored. Rows sit in 16-slot blocks
+// scattered over the pool: the hardware prefetcher loses the stream at every block, and without
+// this the loads of K and V rows took ~45% of a decode call (perf, 4 x 8k contexts).
+constexpr int64_t kAhead = 16;
+
+template <typename kv_t, int D>
+inline void prefetch_row(const kv_t* p) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (size_t b = 0; b < D * sizeof(kv_t); b += 64) __builtin_prefetch(c + b, 0, 3);
+}
 
 // Widen one row to fp32. bf16 is the high half of an fp32: a shift the compiler vectorizes.
 template <int D>
@@ -62,6 +72,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       for (int64_t t0 = 0; t0 < n; t0 += kTile) {
         const int64_t nt = std::min<int64_t>(kTile, n - t0);
         for (int64_t t = 0; t < nt; ++t) {  // scores of every query head against this key
+          if (t + kAhead < n - t0) prefetch_row<kv_t, D>(kp + ctx[t0 + t + kAhead] * row + h * D);
+          prefetch_row<kv_t, D>(vp + ctx[t0 + t] * row + h * D);  // read by the PV loop below
           widen<D>(kp + ctx[t0 + t] * row + h * D, kv);
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
