@@ -184,6 +184,8 @@ def test_engine_equals_transformers_on_bf16_weights_and_kv(kernels, arch):
     assert first + rest == [hf_greedy(hf, p, greedy.max_tokens) for p in prompts]
     assert spy.prefill_calls > 0 and spy.prefill_over_cache > 0 and spy.num_calls > 0
     assert spy.widened_calls > 0 or not kernels.avx2_widened_linear
+    # norms, SiLU and (but for Qwen3's per-head norms) RoPE with the K/V write: csrc/norm_rope.cpp in fp32
+    assert spy.norm_calls > 0 and spy.silu_calls > 0 and (spy.rope_calls > 0 or arch == "qwen3")
 
 
 def test_the_choice_follows_the_cpu_flags():

@@ -93,22 +93,24 @@ class CpuKernels:
         return self.module.widened_linear(x, pairs, n, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm of each row of x: [rows, n] bf16, as transformer.rms_norm rounds it."""
-        return self.module.rms_norm_bf16(x, weight, eps)
+        """RMSNorm of each row of x: [rows, n] bf16 or fp32 (weight the same), as
+        transformer.rms_norm rounds it."""
+        return self.module.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """h += d in place (bf16), and returns the RMSNorm of the new h; [rows, n] each."""
-        return self.module.add_rms_norm_bf16(h, d, weight, eps)
+        """h += d in place, and returns the RMSNorm of the new h; [rows, n] each, bf16 or fp32."""
+        return self.module.add_rms_norm(h, d, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SiLU(gate) * up for gate_up: [rows, 2n] bf16 (the fused projections) -> [rows, n]."""
-        return self.module.silu_mul_bf16(gate_up)
+        """SiLU(gate) * up for gate_up: [rows, 2n] (the fused projections, bf16 or fp32) -> [rows, n]."""
+        return self.module.silu_mul(gate_up)
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
                    slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Rotates the q and k heads of the fused projection qkv ([rows, (q + 2 kv) heads * dim],
-        bf16) in place, and writes each row's k and v to the caches at slots."""
-        self.module.rope_store_bf16(qkv, cos, sin, q_heads, kv_heads, slots, k_cache, v_cache)
+        bf16 or fp32) in place, and writes each row's k and v to the caches at slots. Over a
+        narrower cache (fp32 over bf16) qkv's k and v are rounded in place to what is stored."""
+        self.module.rope_store(qkv, cos, sin, q_heads, kv_heads, slots, k_cache, v_cache)
 
     def supports_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
         """fp32 always (exact, for tests and fp32 serving); bf16 where the vector kernel exists."""

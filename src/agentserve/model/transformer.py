@@ -210,10 +210,12 @@ class Transformer:
         self.norm = self._compute(weights["model.norm.weight"])
         self.layers = [self._layer(weights, i, pack, kernels, c) for i in range(config.num_layers)]
         self.scale = config.head_dim ** -0.5
-        # bf16 on CPU: residual add + RMSNorm, RoPE + KV write and SiLU * up as one C++ call
-        # each (csrc/norm_rope.cpp, the same roundings); a plain attribute so a bench can compare.
+        # bf16 on CPU, and fp32 over bf16 weights and KV: residual add + RMSNorm, RoPE + KV write
+        # and SiLU * up as one C++ call each (csrc/norm_rope.cpp, the same roundings); a plain
+        # attribute so a bench can compare. An fp32 model keeps torch's ops: the exactness tests
+        # compare it with transformers' fp32 forward, sums in the same order.
         self.fused_norm_rope = (kernels is not None and self.embed.device.type == "cpu"
-                                and self.compute_dtype == torch.bfloat16)
+                                and (self.compute_dtype == torch.bfloat16 or self.widened))
         # bf16 prefill attention on the C++ kernel; build_runner sets it from a side-by-side
         # measurement at start-up (model/attention_bench.prefill_kernel_wins). fp32 always uses it.
         self.bf16_prefill_kernel = True
