@@ -44,7 +44,7 @@ def assert_within_one_step(ours: torch.Tensor, ref: torch.Tensor, max_fraction: 
 
 
 def hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    norm = LlamaRMSNorm(weight.shape[0], eps=eps).to(torch.bfloat16)
+    norm = LlamaRMSNorm(weight.shape[0], eps=eps).to(weight.dtype)
     with torch.no_grad():
         norm.weight.copy_(weight)
         return norm(x)
@@ -135,13 +135,6 @@ def test_a_nan_stays_a_nan(kernels):
 F32_TOL = {"rtol": 4e-6, "atol": 4e-6}
 
 
-def hf_norm32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    norm = LlamaRMSNorm(weight.shape[0], eps=eps)
-    with torch.no_grad():
-        norm.weight.copy_(weight)
-        return norm(x)
-
-
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("width", [64, 100, 576, 896])
 def test_fp32_rms_norm_and_add_match_llama_rms_norm(kernels, rows, width):
@@ -151,11 +144,11 @@ def test_fp32_rms_norm_and_add_match_llama_rms_norm(kernels, rows, width):
     w = torch.randn(width, generator=g) * 0.3 + 1
     ours = kernels.rms_norm(h, w, 1e-6)
     assert ours.dtype == torch.float32
-    torch.testing.assert_close(ours, hf_norm32(h, w, 1e-6), **F32_TOL)
+    torch.testing.assert_close(ours, hf_norm(h, w, 1e-6), **F32_TOL)
     mine = h.clone()
     normed = kernels.add_rms_norm(mine, d, w, 1e-5)
     assert torch.equal(mine, h + d)  # one fp32 add, rounded as torch rounds it
-    torch.testing.assert_close(normed, hf_norm32(h + d, w, 1e-5), **F32_TOL)
+    torch.testing.assert_close(normed, hf_norm(h + d, w, 1e-5), **F32_TOL)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])

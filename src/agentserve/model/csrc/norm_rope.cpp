@@ -192,11 +192,11 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
         std::memcpy(kc + sp[r] * kv_width, k, kv_width * sizeof(typename A::T));
         std::memcpy(vc + sp[r] * kv_width, k + kv_width, kv_width * sizeof(typename A::T));
       } else {
-        for (int64_t i = 0; i < kv_width; ++i) {
-          kc[sp[r] * kv_width + i] = C::store(A::load(k[i]));
-          vc[sp[r] * kv_width + i] = C::store(A::load(k[kv_width + i]));
+        for (int64_t i = 0; i < 2 * kv_width; ++i) {  // one rounding: stored, and read back into qkv
+          const typename C::T stored = C::store(A::load(k[i]));
+          (i < kv_width ? kc[sp[r] * kv_width + i] : vc[sp[r] * kv_width + i - kv_width]) = stored;
+          k[i] = A::store(C::load(stored));
         }
-        for (int64_t i = 0; i < 2 * kv_width; ++i) k[i] = A::store(C::round(A::load(k[i])));
       }
     }
   });
