@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentserve.config import CacheConfig, SchedulerConfig, TierConfig
+from agentserve.config import ADMISSIONS, CacheConfig, SchedulerConfig, TierConfig
 from agentserve.engine.engine import Engine
 from agentserve.engine.tier_build import build_kv_tiers
 from agentserve.engine.tiers import KvTiers
@@ -73,6 +73,7 @@ class LLM:
         tiers: TierConfig | None = None,
         ledger: bool = True,
         compute_dtype: str = "auto",
+        admission: str = "auto",
     ) -> None:
         """cpu_kernels: on CPU, build and use the C++ decode-attention kernel (model/csrc/)
         where a compiler is available; False keeps torch's SDPA. residency: off | shadow | on
@@ -80,7 +81,11 @@ class LLM:
         (engine/tiers.py; need the prefix cache). ledger: keep a row per attempt
         (ledger/ledger.py; `self.ledger`). compute_dtype: auto | bfloat16 | float32, the dtype
         activations are computed in (model/precision.py: auto computes a bf16 model in fp32,
-        weights and KV kept in bf16, on a CPU without a bf16 dot product)."""
+        weights and KV kept in bf16, on a CPU without a bf16 dot product). admission: auto |
+        eager | protective (SchedulerConfig.protect_on_admission; auto: protective with
+        residency on)."""
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission {admission!r} not supported; use one of {', '.join(ADMISSIONS)}")
         if residency != "off" and not enable_prefix_caching:
             raise ValueError(f"residency {residency!r} needs the prefix cache; drop --no-prefix-caching "
                              "or use --residency off")
@@ -107,6 +112,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             eos_token_ids=self.model_config.eos_token_ids,
+            protect_on_admission=admission == "protective" or (admission == "auto" and residency == "on"),
         )
         self.residency_mode = residency
         clock = time.monotonic  # the engine's clock too

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+ADMISSIONS = ("auto", "eager", "protective")  # LLM(admission=...), serve --admission
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -20,11 +22,24 @@ class SchedulerConfig:
     # recompute 343M prompt tokens instead of 48.5M (JCT p50 1,268 s instead of 14 s): the
     # requests let past a large one fill the pool and evict the cached prefixes.
     admission_lookahead: int = 0
+    # A waiting request other than the earliest is admitted only into blocks whose taking evicts
+    # nothing the eviction policy protects (paused and returned trajectories under `--residency
+    # on`); the earliest is always admitted. Where prefill is the bottleneck (a CPU), running one
+    # more request at once gains little and evicting a paused trajectory's prefix costs its whole
+    # recompute: on the peers' cc-c8 workload (8 Claude Code sessions, the KV holding about half)
+    # it cut JCT p50 by ~1/5 (docs/benchmarks.md). No effect under LRU, which protects nothing.
+    protect_on_admission: bool = False
+    # ... but only once this many run: a decode step of one row costs about what one of several
+    # does, so the second running request is worth the prefixes it may evict (cc-c8: a floor of
+    # 1 measured JCT p50 66 s, 2 59-61 s, 4 70 s, eager admission 73 s).
+    protective_floor: int = 2
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.protective_floor < 1:
+            raise ValueError(f"protective_floor must be >= 1, got {self.protective_floor}")
         if self.admission_lookahead < 0:
             raise ValueError(f"admission_lookahead must be >= 0, got {self.admission_lookahead}")
 

@@ -8,7 +8,7 @@ from agentserve.config import SchedulerConfig
 from agentserve.engine.engine import Engine, RunResult
 from agentserve.engine.request import FinishReason, SamplingParams
 from agentserve.engine.scheduler import Batch, Scheduler
-from agentserve.kv.block_pool import BlockPool
+from agentserve.kv.block_pool import BlockPool, LruEviction
 
 
 class FakeRunner:
@@ -189,3 +189,64 @@ def test_request_waits_for_a_prefix_being_computed_instead_of_computing_it_twice
     assert [ch.request_id for ch in first.chunks] == [a, c]
     assert out[b][-1].num_reused_tokens == 12
     assert out[a][-1].num_reused_tokens == 0
+
+
+class ProtectingEviction(LruEviction):
+    """LRU order, except that blocks holding a hash in `keep` go last: a naive stand-in for a
+    residency policy's protection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keep: set[int] = set()
+        self.hash_of: list = []
+
+    def push(self, block_ids, hash_of) -> None:
+        self.hash_of = hash_of
+        super().push(block_ids, hash_of)
+
+    def protects(self, block_id) -> bool:
+        return self.hash_of[block_id] in self.keep
+
+    @property
+    def num_unprotected(self) -> int:
+        return sum(1 for b in self._order if not self.protects(b))
+
+    def pop(self, n: int) -> list:
+        order = sorted(self._order, key=self.protects)  # stable: LRU within each group
+        out = order[:n]
+        for b in out:
+            del self._order[b]
+        return out
+
+
+@pytest.mark.parametrize("protective", [False, True])
+def test_protective_admission_leaves_protected_prefixes_to_the_earliest_request(protective):
+    """A paused session's prefix is protected. Once `protective_floor` requests run, a later
+    waiting request is admitted only into blocks whose taking evicts nothing protected; the
+    earliest waiting request is always admitted (evicting what it must)."""
+    eviction = ProtectingEviction()
+    pool = BlockPool(12, 4, eviction)
+    cfg = SchedulerConfig(max_model_len=48, block_size=4, max_num_batched_tokens=64,
+                          protect_on_admission=protective, protective_floor=1)
+    runner = FakeRunner()
+    clock = iter(range(10**6)).__next__
+    engine = Engine(Scheduler(cfg, pool), runner, "fake", 1000, clock=lambda: float(clock()))
+    paused = list(range(500, 516))  # 4 blocks, cached and then protected
+    engine.add(paused, SamplingParams(max_tokens=1))
+    drain(engine)
+    eviction.keep = set(engine.prompt_hashes_of_tokens(paused))
+    assert pool.num_unprotected_free_blocks == 12 - 4
+    a = engine.add(list(range(24)), SamplingParams(max_tokens=4, ignore_eos=True))  # 7 blocks
+    b = engine.add(list(range(100, 116)), SamplingParams(max_tokens=1))  # 5 blocks
+    finished = {o.request_id for o in engine.step() if o.finished}
+    admitted = {c.request_id for c in runner.batches[-1].chunks}
+    assert a in admitted
+    if protective:  # b would evict the paused prefix: it waits for a
+        assert b not in admitted
+        assert all(h in pool.index for h in eviction.keep)
+    else:
+        assert b in admitted
+        assert not all(h in pool.index for h in eviction.keep)
+    out = drain(engine)  # everything still finishes
+    finished |= {rid for rid, outs in out.items() if outs[-1].finished}
+    assert {a, b} <= finished

@@ -168,6 +168,14 @@ def test_allocation_never_fails_while_free_blocks_exist(ops):
         pool.check()
         assert len(ev) == pool.num_free_blocks - len(pool._uncached)
         assert pool.num_free_blocks == pool.num_blocks
+        # what protective admission reads: taking the unprotected count evicts no protected
+        # block, except those past the budget (which the order takes first)
+        protected = [pool.block_hash(b) for b in range(pool.num_blocks) if ev.protects(b)]
+        assert pool.count_unprotected_free(list(range(pool.num_blocks))) == pool.num_blocks - len(protected)
+        taken = pool.allocate(pool.num_unprotected_free_blocks)
+        lost = [h for h in protected if h not in pool.index]
+        assert len(lost) == max(0, len(protected) - int(0.9 * pool.num_blocks))
+        pool.free(taken)
         assert len(pool.allocate(pool.num_free_blocks)) == pool.num_blocks
         pool.free(list(range(pool.num_blocks)))
         pool.check()

@@ -15,7 +15,8 @@ only requests whose longest possible sequence fits the pool alone, the earliest 
 advances every step exactly as it would alone, so every request finishes within the solo step
 counts of those that arrived before it, plus its own (tests/engine/test_scheduler_properties.py).
 Other waiting requests are admitted in priority order while budget, slots and blocks last
-(`admission_lookahead` > 0 also passes over that many that do not fit now, to admit smaller
+(with `protect_on_admission`, only blocks whose taking evicts nothing the eviction policy
+protects; `admission_lookahead` > 0 also passes over that many that do not fit now, to admit smaller
 ones behind them). No request that could never fit is ever queued, so none blocks the ones
 behind it for longer than the requests ahead of it take.
 """
@@ -335,7 +336,7 @@ class Scheduler:
                     continue
             computed, n, need = self._admission(request, reach, budget, len(matched))
             free = self.pool.num_free_blocks - self.pool.count_free(matched)
-            if need > free:
+            if need > free or (self._protective() and need > self._unprotected(matched)):
                 i, passed = i + 1, passed + 1
                 continue
             del self.waiting[i]
@@ -356,6 +357,18 @@ class Scheduler:
         computed = reach * self.pool.block_size
         n = min(request.num_tokens - computed, budget)
         return computed, n, _cdiv(computed + n, self.pool.block_size) - num_matched
+
+    def _protective(self) -> bool:
+        """Whether admission now must leave protected blocks alone: with protect_on_admission,
+        once `protective_floor` requests run (below it, one more running request is worth more
+        than the prefixes it may evict: a decode step costs about as much for one row as for
+        several)."""
+        return self.config.protect_on_admission and len(self.running) >= self.config.protective_floor
+
+    def _unprotected(self, matched: list[BlockId]) -> int:
+        """Free blocks a request with this device prefix could take without evicting a
+        protected one (its own matched blocks are taken, not evicted)."""
+        return self.pool.num_unprotected_free_blocks - self.pool.count_unprotected_free(matched)
 
     def _in_flight(self) -> set[BlockHash]:
         """Hashes of full blocks that running requests are computing (not yet published)."""

@@ -53,6 +53,16 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[BlockId]: ...
 
+    @property
+    def num_unprotected(self) -> int:
+        """How many blocks `pop` gives before any block the policy protects (all of them for a
+        policy that protects none)."""
+        ...
+
+    def protects(self, block_id: BlockId) -> bool:
+        """Whether this free cached block is one the policy protects now."""
+        ...
+
 
 class LruEviction:
     """Least recently freed first: pushes go to the tail, pops come from the head."""
@@ -81,6 +91,13 @@ class LruEviction:
 
     def __iter__(self) -> Iterator[BlockId]:
         return iter(self._order)
+
+    @property
+    def num_unprotected(self) -> int:
+        return len(self._order)
+
+    def protects(self, block_id: BlockId) -> bool:
+        return False
 
 
 class BlockPool:
@@ -129,6 +146,18 @@ class BlockPool:
                 return matched + found[: found.index(None)]
             matched += found
         return matched
+
+    @property
+    def num_unprotected_free_blocks(self) -> int:
+        """Free blocks that can be taken without evicting a block the eviction policy protects
+        (a paused or returned trajectory's, under `--residency on`): all free blocks under LRU."""
+        return len(self._uncached) + self._evictable.num_unprotected
+
+    def count_unprotected_free(self, block_ids: Sequence[BlockId]) -> int:
+        """How many of these blocks are free and not protected: a hit on them takes them from
+        `num_unprotected_free_blocks`."""
+        rc, protects = self._ref_count, self._evictable.protects
+        return sum(1 for b in block_ids if not rc[b] and not protects(b))
 
     def count_free(self, block_ids: Sequence[BlockId]) -> int:
         """How many of these blocks are free (a hit on them takes them off the free list)."""

@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any
 
-from agentserve.config import ServerConfig, TierConfig
+from agentserve.config import ADMISSIONS, ServerConfig, TierConfig
 from agentserve.ledger.prices import PriceError
 from agentserve.model.precision import CHOICES as PRECISION_CHOICES
 from agentserve.server.grammars import add_grammar_args, grammar_config
@@ -32,7 +32,7 @@ def build_state(args: argparse.Namespace):
               kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
               device=args.device, cache_root=args.cache_root, cpu_kernels=not args.no_cpu_kernels,
               residency=args.residency, tiers=tier_config(args), ledger=not args.no_ledger,
-              compute_dtype=args.compute_dtype)
+              compute_dtype=args.compute_dtype, admission=args.admission)
     if llm.runner.guided is not None:
         llm.runner.guided.warm()  # constrained decoding's token table: built now, not on a request
     # Start-up's ~450k objects (tokenizer tables, modules) leave the collector's view: a full
@@ -164,6 +164,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--residency", default="shadow", choices=["off", "shadow", "on"],
                    help="agent-aware KV residency (docs/residency.md): off = plain LRU; shadow = LRU, "
                         "with advice and receipts to check predictions; on = evict by expected value")
+    p.add_argument("--admission", default="auto", choices=ADMISSIONS,
+                   help="waiting requests after the earliest: eager = admitted while free blocks last; "
+                        "protective = only into blocks whose taking evicts no protected trajectory's "
+                        "prefix; auto = protective with --residency on, else eager")
     t = p.add_argument_group("KV tiers (docs/tiers.md)")
     t.add_argument("--kv-host-gib", type=float, default=0.0,
                    help="host-memory tier for blocks evicted from the pool (0: none)")

@@ -68,6 +68,9 @@ class SimConfig:
     host_tokens: int = 0  # host KV tier per replica, in tokens (0: none)
     disk_tokens: int = 0  # disk KV tier per replica, in tokens (0: none)
     ledger: bool = False  # keep the server's ledger (a row per attempt, miss reasons) per replica
+    # SchedulerConfig.protect_on_admission (serve --admission protective; `--residency on`
+    # defaults to it). Off here by default: the published grids were measured without it.
+    protect_on_admission: bool = False
 
     def __post_init__(self) -> None:
         if self.events not in ("none", "terminal"):
@@ -133,7 +136,8 @@ class Fleet:
         sched = SchedulerConfig(max_model_len=plan.max_request_tokens + 2, block_size=bs,
                                 max_num_seqs=config.max_num_seqs,
                                 max_num_batched_tokens=config.max_num_batched_tokens,
-                                enable_prefix_caching=spec.prefix_caching)
+                                enable_prefix_caching=spec.prefix_caching,
+                                protect_on_admission=config.protect_on_admission)
         self.num_blocks = max(1, config.capacity_tokens // bs)
 
         self.residency: list[Residency | None] = [None] * config.num_replicas

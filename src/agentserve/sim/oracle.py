@@ -244,6 +244,13 @@ class BeladyEviction:
             for e in entries:
                 push(heap, e)
 
+    @property
+    def num_unprotected(self) -> int:  # an oracle protects nothing: it only orders
+        return len(self)
+
+    def protects(self, block_id: BlockId) -> bool:
+        return False
+
     def pop(self, n: int) -> list[BlockId]:
         self._flush()
         out: list[BlockId] = []

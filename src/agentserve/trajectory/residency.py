@@ -836,6 +836,16 @@ class AgentEviction:
                 # odd Claude Code files: a finished sub-agent's blocks serve the next one's prompt)
                 lru[b] = None
 
+    @property
+    def num_unprotected(self) -> int:
+        """Unprotected free blocks, plus the protected ones past the budget (`pop` takes those
+        first)."""
+        res = self.residency
+        return len(self._lru) + max(0, len(self._held) - int(res.config.budget * res.num_blocks))
+
+    def protects(self, block_id: BlockId) -> bool:
+        return block_id in self._held
+
     def pop(self, n: int) -> list[BlockId]:
         res = self.residency
         out: list[BlockId] = []
