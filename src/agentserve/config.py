@@ -27,7 +27,7 @@ class SchedulerConfig:
     # on`); the earliest is always admitted. Where prefill is the bottleneck (a CPU), running one
     # more request at once gains little and evicting a paused trajectory's prefix costs its whole
     # recompute: on the peers' cc-c8 workload (8 Claude Code sessions, the KV holding about half)
-    # it cut JCT p50 by ~1/5 (docs/benchmarks.md). No effect under LRU, which protects nothing.
+    # it cut JCT p50 by ~1/5 (docs/residency.md). No effect under LRU, which protects nothing.
     protect_on_admission: bool = False
     # ... but only once this many run: a decode step of one row costs about what one of several
     # does, so the second running request is worth the prefixes it may evict (cc-c8: a floor of

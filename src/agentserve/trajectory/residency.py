@@ -836,12 +836,15 @@ class AgentEviction:
                 # odd Claude Code files: a finished sub-agent's blocks serve the next one's prompt)
                 lru[b] = None
 
+    def _over_budget(self) -> int:
+        """Protected free blocks past the budget: `pop` takes these before unprotected ones."""
+        res = self.residency
+        return max(0, len(self._held) - int(res.config.budget * res.num_blocks))
+
     @property
     def num_unprotected(self) -> int:
-        """Unprotected free blocks, plus the protected ones past the budget (`pop` takes those
-        first)."""
-        res = self.residency
-        return len(self._lru) + max(0, len(self._held) - int(res.config.budget * res.num_blocks))
+        """Unprotected free blocks, plus the protected ones past the budget."""
+        return len(self._lru) + self._over_budget()
 
     def protects(self, block_id: BlockId) -> bool:
         return block_id in self._held
@@ -849,7 +852,7 @@ class AgentEviction:
     def pop(self, n: int) -> list[BlockId]:
         res = self.residency
         out: list[BlockId] = []
-        over = len(self._held) - int(res.config.budget * res.num_blocks)
+        over = self._over_budget()
         if over > 0:  # protected blocks past the budget: the least valuable go before unprotected ones
             start = res.timer()
             out += self._pop_held(min(n, over))
