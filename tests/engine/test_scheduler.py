@@ -207,6 +207,9 @@ class ProtectingEviction(LruEviction):
     def protects(self, block_id) -> bool:
         return self.hash_of[block_id] in self.keep
 
+    def count_protected(self, block_ids) -> int:
+        return sum(1 for b in block_ids if b in self._order and self.protects(b))
+
     @property
     def num_unprotected(self) -> int:
         return sum(1 for b in self._order if not self.protects(b))

@@ -105,6 +105,26 @@ def test_same_seed_same_records_and_decode_runs_change_nothing(cc_plan):
             assert u == v if isinstance(u, int) else u == pytest.approx(v, rel=1e-9)
 
 
+@pytest.mark.parametrize("protective", [False, True])
+def test_decode_runs_change_no_decision_of_the_agent_policy(cc_plan, protective):
+    """The agent policy ranks by time and expires protection on a tick: a decode run must
+    evict with the clock at each of its steps, and be cut at a tick or an arrival before the
+    policy hears of it. At this capacity the pool is short (the policy evicts protected blocks,
+    and protective admission holds requests back)."""
+    cost = load_cost_model("h100-llama3-8b")
+    starts = session_starts(cc_plan, Arrival.POISSON, 1 / 30, seed=7)
+    runs = simulate(cc_plan, starts, SimConfig(160_000, "agent", protect_on_admission=protective), cost)
+    slow = simulate(cc_plan, starts, SimConfig(160_000, "agent", protect_on_admission=protective,
+                                               decode_runs=False), cost)
+    assert runs.replicas[0].num_decode_runs > 0 and slow.replicas[0].num_decode_runs == 0
+    assert runs.summary["preemptions"] + runs.summary["recomputed_tokens"] > 0
+    assert len(runs.records) == len(slow.records) == cc_plan.num_requests
+    for x, y in zip(runs.records, slow.records):
+        for f in x.__slots__:
+            u, v = getattr(x, f), getattr(y, f)
+            assert u == v if isinstance(u, int) else u == pytest.approx(v, rel=1e-9), (f, x, y)
+
+
 def test_capacity_smaller_than_a_request_is_refused_before_work(cc_plan):
     with pytest.raises(SimError, match=r"--capacity-tokens 1000 is smaller than the largest request .* blocks of 64"):
         simulate(cc_plan, [0.0] * len(cc_plan.sessions), SimConfig(1000, "lru"), UNIT_STEP)

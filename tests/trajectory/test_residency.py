@@ -170,7 +170,7 @@ def test_allocation_never_fails_while_free_blocks_exist(ops):
         assert pool.num_free_blocks == pool.num_blocks
         # what protective admission reads: taking the unprotected count evicts no protected
         # block, except those past the budget (which the order takes first)
-        protected = [pool.block_hash(b) for b in range(pool.num_blocks) if ev.protects(b)]
+        protected = [pool.block_hash(b) for b in range(pool.num_blocks) if ev.count_protected([b])]
         assert pool.count_unprotected_free(list(range(pool.num_blocks))) == pool.num_blocks - len(protected)
         taken = pool.allocate(pool.num_unprotected_free_blocks)
         lost = [h for h in protected if h not in pool.index]

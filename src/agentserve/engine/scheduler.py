@@ -24,7 +24,7 @@ behind it for longer than the requests ahead of it take.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -335,8 +335,9 @@ class Scheduler:
                     i += 1  # it waits a step; the ones behind it may go
                     continue
             computed, n, need = self._admission(request, reach, budget, len(matched))
-            free = self.pool.num_free_blocks - self.pool.count_free(matched)
-            if need > free or (self._protective() and need > self._unprotected(matched)):
+            hit = self.pool.count_free(matched)
+            free = self.pool.num_free_blocks - hit
+            if need > free or (self._protective() and need > self._unprotected(matched, hit)):
                 i, passed = i + 1, passed + 1
                 continue
             del self.waiting[i]
@@ -365,10 +366,10 @@ class Scheduler:
         several)."""
         return self.config.protect_on_admission and len(self.running) >= self.config.protective_floor
 
-    def _unprotected(self, matched: list[BlockId]) -> int:
+    def _unprotected(self, matched: list[BlockId], hit: int) -> int:
         """Free blocks a request with this device prefix could take without evicting a
-        protected one (its own matched blocks are taken, not evicted)."""
-        return self.pool.num_unprotected_free_blocks - self.pool.count_unprotected_free(matched)
+        protected one (its own matched blocks are taken, not evicted; `hit` of them are free)."""
+        return self.pool.num_unprotected_free_blocks - (hit - self.pool.count_protected(matched))
 
     def _in_flight(self) -> set[BlockHash]:
         """Hashes of full blocks that running requests are computing (not yet published)."""
@@ -538,19 +539,28 @@ class Scheduler:
             matched, lower = self._match(request)
             reach = len(matched) + lower
             _, _, need = self._admission(request, reach, budget, len(matched))
-            if need <= self.pool.num_free_blocks - self.pool.count_free(matched):
+            hit = self.pool.count_free(matched)
+            if need <= self.pool.num_free_blocks - hit and not (
+                    self._protective() and need > self._unprotected(matched, hit)):
                 return False  # admitted now, or a step after its next block is published
             # Pure decode steps only take free blocks (its need and the free blocks outside its
-            # match never improve); only a publish of its next block hash could extend its match.
+            # match never improve; nor do the unprotected ones, and no request starts or ends,
+            # so protective admission's rule holds too); only a publish of its next block hash
+            # could extend its match.
             if reach < len(request.block_hashes):
                 in_flight = self._in_flight() if in_flight is None else in_flight
                 if request.block_hashes[reach] in in_flight:
                     return False
         return True
 
-    def decode_ahead(self, num_steps: int, token_id: int) -> list[RequestOutput]:
+    def decode_ahead(self, num_steps: int, token_id: int,
+                     moment: Callable[[int], None] | None = None) -> list[RequestOutput]:
         """Take num_steps pure decode steps at once, every running request sampling token_id
-        each step; one output per request with all its new tokens."""
+        each step; one output per request with all its new tokens. `moment(j)`, if given, is
+        called before the block operations that single steps do once j steps have ended (step
+        j allocates in its schedule, at j; it publishes in its update, at j + 1), so that a
+        simulator's clock reads then what it would have read stepping one by one (an eviction
+        policy's order may depend on the time)."""
         assert 0 < num_steps <= self.decode_horizon()
         running, bs = self.running, self.pool.block_size
         for r in running:
@@ -558,8 +568,12 @@ class Scheduler:
             assert token_id not in sp.stop_token_ids and (sp.ignore_eos or token_id not in self.config.eos_token_ids)
         start = [r.num_computed_tokens for r in running]
         added = [0] * len(running)  # tokens appended so far: step j publishes after j of them
+        at = -1
         for step, op, i in plan_events(running, num_steps, bs, self.config.enable_prefix_caching):
             r = running[i]
+            if moment is not None and (j := step + (op != DecodeOp.ALLOCATE.value)) != at:
+                moment(j)
+                at = j
             if op == DecodeOp.ALLOCATE.value:
                 r.block_ids.extend(self.pool.allocate(1))
                 continue

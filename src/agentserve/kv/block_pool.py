@@ -59,8 +59,9 @@ class EvictionPolicy(Protocol):
         policy that protects none)."""
         ...
 
-    def protects(self, block_id: BlockId) -> bool:
-        """Whether this free cached block is one the policy protects now."""
+    def count_protected(self, block_ids: Sequence[BlockId]) -> int:
+        """How many of these blocks are free, cached and protected by the policy now (one call
+        per admission check: a set intersection, not a call per block)."""
         ...
 
 
@@ -96,8 +97,8 @@ class LruEviction:
     def num_unprotected(self) -> int:
         return len(self._order)
 
-    def protects(self, block_id: BlockId) -> bool:
-        return False
+    def count_protected(self, block_ids: Sequence[BlockId]) -> int:
+        return 0
 
 
 class BlockPool:
@@ -156,8 +157,11 @@ class BlockPool:
     def count_unprotected_free(self, block_ids: Sequence[BlockId]) -> int:
         """How many of these blocks are free and not protected: a hit on them takes them from
         `num_unprotected_free_blocks`."""
-        rc, protects = self._ref_count, self._evictable.protects
-        return sum(1 for b in block_ids if not rc[b] and not protects(b))
+        return self.count_free(block_ids) - self.count_protected(block_ids)
+
+    def count_protected(self, block_ids: Sequence[BlockId]) -> int:
+        """How many of these blocks are free and protected by the eviction policy."""
+        return self._evictable.count_protected(block_ids)
 
     def count_free(self, block_ids: Sequence[BlockId]) -> int:
         """How many of these blocks are free (a hit on them takes them off the free list)."""

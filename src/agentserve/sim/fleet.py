@@ -169,7 +169,7 @@ class Fleet:
                 ledger.attach(scheduler, tiers)
                 ledger.on_row.append(self.ledger_rows.append)
             self.ledgers.append(ledger)
-            return Replica(i, scheduler, cost, config.decode_runs, tiers, ledger)
+            return Replica(i, scheduler, cost, config.decode_runs, tiers, ledger, self._set_now)
 
         self.ledger_rows: list[Row] = []
         self.ledgers: list[Ledger | None] = []
@@ -191,6 +191,9 @@ class Fleet:
         for c in plan.chains:
             self._left[c.session] += len(c.turns)
 
+    def _set_now(self, t: float) -> None:
+        self.now = t
+
     def _push(self, t: float, kind: int, a: int, b: int) -> None:
         heapq.heappush(self._heap, (t, kind, next(self._seq), a, b))
 
@@ -198,14 +201,11 @@ class Fleet:
         for ci, start in zip(self.plan.sessions, self.starts):
             self._origin[ci] = start
             self._push(start, _ARRIVAL, ci, 0)
-        residencies = [x for x in self.residency if x is not None]
-        # With tiers the tick may prefetch into a pool, so it is an event of its own, after the
-        # step ends at its time: a decode run in flight then ends later and can be cut short.
-        # Without, it runs before the first event at or past each tick (as it always has).
-        ticks = bool(residencies) and any(r.tiers is not None for r in self.replicas)
-        if ticks:
+        # The residency policies' tick is an event of its own, after the steps that end at its
+        # time; a decode run in flight is cut there (the tick changes what the pool protects, and
+        # with tiers may prefetch into it), so runs and single steps take the same decisions.
+        if any(x is not None for x in self.residency):
             self._push(min(self.starts, default=0.0), _EXPIRE, 0, 0)
-        next_expiry = 0.0
         while self._heap:
             t, kind, _, a, b = heapq.heappop(self._heap)
             self.now = t
@@ -214,9 +214,6 @@ class Fleet:
                 if self._heap:
                     self._push(t + _EXPIRE_EVERY_S, _EXPIRE, 0, 0)
                 continue
-            if residencies and not ticks and t >= next_expiry:
-                self._expire(t)
-                next_expiry = t + _EXPIRE_EVERY_S
             if kind == _ARRIVAL:
                 self._submit(a, b, t)
                 continue
@@ -238,15 +235,15 @@ class Fleet:
         assert not stuck, f"replicas {stuck} still hold requests after the last event"
 
     def _expire(self, now: float) -> None:
-        """The residency policies' periodic tick. With tiers it may prefetch into the pool,
-        which a decode run in flight must not see: such a run becomes an ordinary step first."""
+        """The residency policies' periodic tick: it releases trajectories idle too long (with
+        tiers it may also prefetch), which a decode run in flight must not see: such a run
+        becomes an ordinary step first."""
         for rep, residency in zip(self.replicas, self.residency, strict=True):
             if residency is None:
                 continue
-            if rep.tiers is not None:
-                end = rep.sync(now)
-                if end is not None:
-                    self._push(end, _STEP_END, rep.index, rep.generation)
+            end = rep.sync(now)
+            if end is not None:
+                self._push(end, _STEP_END, rep.index, rep.generation)
             residency.expire()
 
     def _start(self, rep: Replica, now: float) -> None:
@@ -272,14 +269,14 @@ class Fleet:
                       SamplingParams(temperature=0.0, max_tokens=turn.output_tokens, ignore_eos=True),
                       _KEYS, now, block_hashes=full)
         r = self.router.pick(chain.session, self.replicas)
+        rep = self.replicas[r]
+        end = rep.sync(now)  # first the decode steps that ended before it arrived
+        if end is not None:
+            self._push(end, _STEP_END, r, rep.generation)
         residency = self.residency[r]
         if residency is not None:  # what a server sees: a request of this trajectory
             parent = self._parent.get(c)
             residency.on_request(_key(c), _key(parent[0]) if parent is not None and j == 0 else None)
-        rep = self.replicas[r]
-        end = rep.sync(now)
-        if end is not None:
-            self._push(end, _STEP_END, r, rep.generation)
         rep.scheduler.add(req)
         ledger = self.ledgers[r]
         if ledger is not None:

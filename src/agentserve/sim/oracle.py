@@ -248,8 +248,8 @@ class BeladyEviction:
     def num_unprotected(self) -> int:  # an oracle protects nothing: it only orders
         return len(self)
 
-    def protects(self, block_id: BlockId) -> bool:
-        return False
+    def count_protected(self, block_ids: Sequence[BlockId]) -> int:
+        return 0
 
     def pop(self, n: int) -> list[BlockId]:
         self._flush()

@@ -6,11 +6,13 @@ are pure decode (engine/decode_run.py) the replica takes them as one decode run:
 each step's end time and applies them all at the run's end, or, when a request arrives first,
 applies those finished by then and turns the one in progress into an ordinary step, so the
 records equal those of stepping one by one (times to float rounding: a run's time is summed in
-closed form).
+closed form). For that, a run's block operations happen with the simulator's clock set to the
+times their single steps would have read (`set_clock`): an eviction policy may rank by time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from agentserve.engine.request import RequestOutput
@@ -31,13 +33,15 @@ class ReplicaStats:
 
 class Replica:
     def __init__(self, index: int, scheduler: Scheduler, cost: CostModel, decode_runs: bool = True,
-                 tiers: KvTiers | None = None, ledger: Ledger | None = None) -> None:
+                 tiers: KvTiers | None = None, ledger: Ledger | None = None,
+                 set_clock: Callable[[float], None] | None = None) -> None:
         self.index = index
         self.scheduler = scheduler
         self.tiers = tiers  # the server's KvTiers over simulated stores (sim/tiers.py)
         self.ledger = ledger  # the server's ledger: each step's time split among its requests
         self.cost = cost
         self.decode_runs = decode_runs
+        self.set_clock = set_clock  # moves the clock the policies read (the fleet's now)
         self.stats = ReplicaStats()
         self.generation = 0  # bumped when the end of the work in flight moves (stale events)
         self._batch: Batch | None = None  # the ordinary step in flight
@@ -115,10 +119,11 @@ class Replica:
         if self._run is not None:
             if self.ledger is not None:
                 self.ledger.on_decode_run([r.request_id for r in self.scheduler.running], now - self._start)
-            k, self._run = self._run[2], None
+            k = self._run[2]
             self.stats.num_steps += k
             self.stats.num_decode_runs += 1
-            outputs = self.scheduler.decode_ahead(k, SAMPLED_TOKEN)
+            outputs = self._decode_ahead(k, now)
+            self._run = None
             self._offload()
             return outputs
         batch, self._batch = self._batch, None
@@ -148,12 +153,27 @@ class Replica:
         if self.ledger is not None:
             self.ledger.on_decode_run([r.request_id for r in self.scheduler.running], self._run_end(j) - self._start)
         if j:
-            self.scheduler.decode_ahead(j, SAMPLED_TOKEN)
+            self._decode_ahead(j, now)
             self.stats.num_steps += j
             self._offload()
         start = self._run_end(j)
         self.stats.busy_s += start - self._start
         self._run, self._start = None, start
+        self._clock(start)  # the step in progress was scheduled at its start
         self._batch = self.scheduler.schedule(start)
         self.generation += 1
-        return start + self._step_time(self._batch)
+        end = start + self._step_time(self._batch)
+        self._clock(now)
+        return end
+
+    def _clock(self, t: float) -> None:
+        if self.set_clock is not None:
+            self.set_clock(t)
+
+    def _decode_ahead(self, num_steps: int, now: float) -> list[RequestOutput]:
+        """The run in flight's first num_steps steps, each block operation at its step's time;
+        the clock is back at `now` after."""
+        outputs = self.scheduler.decode_ahead(num_steps, SAMPLED_TOKEN,
+                                              None if self.set_clock is None else lambda j: self._clock(self._run_end(j)))
+        self._clock(now)
+        return outputs

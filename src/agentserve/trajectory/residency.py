@@ -846,8 +846,8 @@ class AgentEviction:
         """Unprotected free blocks, plus the protected ones past the budget."""
         return len(self._lru) + self._over_budget()
 
-    def protects(self, block_id: BlockId) -> bool:
-        return block_id in self._held
+    def count_protected(self, block_ids: Sequence[BlockId]) -> int:
+        return len(self._held.intersection(block_ids))  # _held: free blocks only
 
     def pop(self, n: int) -> list[BlockId]:
         res = self.residency
