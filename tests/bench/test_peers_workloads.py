@@ -55,3 +55,16 @@ def test_the_frozen_settings_name_every_table_workload() -> None:
     assert "calibration" not in names  # the sweep's workload is not in the table
     assert s.group_of("long-16k").max_model_len > 16384 + 16
     assert s.group_of("cc-c8").kv_tokens < s.group_of("long-16k").kv_tokens
+
+
+def test_the_pressured_calibration_uses_sessions_the_table_never_does() -> None:
+    from agentserve.bench.peers.cli import _calibration_part
+
+    s = load_settings()
+    name, part = _calibration_part(s, "pressured")
+    assert name == "calibration-pressured" and name not in catalog.names(s)
+    # the table's cc rows draw from the even-numbered trace files, this from the odd ones
+    assert {s.workloads["cc"]["files"], part["workload"]["files"]} == {"even", "odd"}
+    assert part["kv_tokens"] == s.group_of("cc-c8").kv_tokens  # the pressure the cc-c8 row has
+    assert "residency-on" in part["sweep"]["agentserve"]
+    assert _calibration_part(s, "roomy") == ("calibration", s.calibration)

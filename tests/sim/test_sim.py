@@ -105,16 +105,16 @@ def test_same_seed_same_records_and_decode_runs_change_nothing(cc_plan):
             assert u == v if isinstance(u, int) else u == pytest.approx(v, rel=1e-9)
 
 
-@pytest.mark.parametrize("protective", [False, True])
-def test_decode_runs_change_no_decision_of_the_agent_policy(cc_plan, protective):
+@pytest.mark.parametrize("admission", ["eager", "protective"])
+def test_decode_runs_change_no_decision_of_the_agent_policy(cc_plan, admission):
     """The agent policy ranks by time and expires protection on a tick: a decode run must
     evict with the clock at each of its steps, and be cut at a tick or an arrival before the
     policy hears of it. At this capacity the pool is short (the policy evicts protected blocks,
     and protective admission holds requests back)."""
     cost = load_cost_model("h100-llama3-8b")
     starts = session_starts(cc_plan, Arrival.POISSON, 1 / 30, seed=7)
-    runs = simulate(cc_plan, starts, SimConfig(160_000, "agent", protect_on_admission=protective), cost)
-    slow = simulate(cc_plan, starts, SimConfig(160_000, "agent", protect_on_admission=protective,
+    runs = simulate(cc_plan, starts, SimConfig(160_000, "agent", admission=admission), cost)
+    slow = simulate(cc_plan, starts, SimConfig(160_000, "agent", admission=admission,
                                                decode_runs=False), cost)
     assert runs.replicas[0].num_decode_runs > 0 and slow.replicas[0].num_decode_runs == 0
     assert runs.summary["preemptions"] + runs.summary["recomputed_tokens"] > 0
@@ -138,6 +138,19 @@ def test_bad_config_names_the_problem():
         SimConfig(100, "fifo")
     with pytest.raises(SimError, match="num_replicas must be >= 1"):
         SimConfig(100, "lru", num_replicas=0)
+    with pytest.raises(SimError, match="admission must be one of auto, eager, protective, got 'lazy'"):
+        SimConfig(100, "agent", admission="lazy")
+
+
+@pytest.mark.parametrize("policy, admission, protective", [
+    ("agent", "auto", True), ("lru", "auto", False), ("belady", "auto", False),
+    ("agent", "eager", False), ("lru", "protective", True)])
+def test_admission_auto_is_protective_under_the_agent_policy_as_serve_residency_on_is(cc_plan, policy, admission,
+                                                                                       protective):
+    starts = session_starts(cc_plan, Arrival.POISSON, 1 / 20, seed=1)
+    fleet = Fleet(cc_plan, starts, SimConfig(150_000, policy, admission=admission), UNIT_STEP,
+                  lambda: NextUse(cc_plan, starts))
+    assert fleet.replicas[0].scheduler.config.protect_on_admission is protective
 
 
 def test_pools_keep_their_invariants_under_every_policy(cc_plan):

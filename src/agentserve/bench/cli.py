@@ -373,6 +373,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--rate", type=float, default=1 / 300, help="sessions per second (Poisson)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--events", default="none", choices=["none", "terminal"])
+    q.add_argument("--admission", default="auto", choices=["auto", "eager", "protective"],
+                   help="as sim's (auto: protective; tables before 2026-12-04: eager)")
     q.add_argument("--cost-model", default="h200-llama3-8b")
     q.add_argument("--json", default=None)
     q.set_defaults(func=_prediction)

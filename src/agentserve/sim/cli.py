@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from agentserve.config import ADMISSIONS
 from agentserve.ledger.writer import write_rows
 from agentserve.sim.fleet import SimConfig, SimError
 from agentserve.sim.plan import Arrival, compile_workload
@@ -53,9 +54,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-output-reuse", action="store_true", help="generated blocks never shared")
     p.add_argument("--no-decode-runs", action="store_true", help="step decodes one by one (slow)")
     p.add_argument("--skip-oversized", action="store_true", help="skip requests larger than the pool")
-    p.add_argument("--protective-admission", action="store_true",
-                   help="admit a waiting request other than the earliest only into blocks whose taking "
-                        "evicts no protected prefix (serve's default with --residency on)")
+    p.add_argument("--admission", default="auto", choices=list(ADMISSIONS),
+                   help="as serve's: protective admits a waiting request other than the earliest only "
+                        "into blocks whose taking evicts no protected prefix; auto = protective with "
+                        "--policy agent (serve's default with --residency on), else eager")
     p.add_argument("--events", default="none", choices=["none", "terminal"],
                    help="policy agent: lifecycle events a harness sends (terminal: trajectory_finished)")
     p.add_argument("--host-tokens", default="0", help="host KV tier per replica, tokens (e.g. 4M; 0: none)")
@@ -105,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
     base = SimConfig(caps[0], "lru", args.replicas, args.router, args.max_num_batched_tokens,
                      args.max_num_seqs, not args.no_decode_runs, args.skip_oversized, args.events,
                      _ints(args.host_tokens)[0], _ints(args.disk_tokens)[0], ledger=args.ledger is not None,
-                     protect_on_admission=args.protective_admission)
+                     admission=args.admission)
     spec = SweepSpec(tuple(args.policy.split(",")), caps, seeds, base, Arrival(args.arrival), args.session_rate)
     rows = []
     runs = len(spec.policies) * len(caps) * len(seeds)

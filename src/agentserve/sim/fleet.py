@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from agentserve.config import SchedulerConfig
+from agentserve.config import ADMISSIONS, SchedulerConfig
 from agentserve.engine.request import Request, RequestId, RequestOutput, SamplingParams
 from agentserve.engine.scheduler import Scheduler
 from agentserve.kv.block_pool import BlockPool
@@ -68,13 +68,15 @@ class SimConfig:
     host_tokens: int = 0  # host KV tier per replica, in tokens (0: none)
     disk_tokens: int = 0  # disk KV tier per replica, in tokens (0: none)
     ledger: bool = False  # keep the server's ledger (a row per attempt, miss reasons) per replica
-    # SchedulerConfig.protect_on_admission (serve --admission protective; `--residency on`
-    # defaults to it). Off here by default: the published grids were measured without it.
-    protect_on_admission: bool = False
+    # serve's --admission: auto is protective under a policy that protects (`agent`, as serve's
+    # `--residency on`), eager otherwise (SchedulerConfig.protect_on_admission)
+    admission: str = "auto"
 
     def __post_init__(self) -> None:
         if self.events not in ("none", "terminal"):
             raise SimError(f"events must be none or terminal, got {self.events!r}")
+        if self.admission not in ADMISSIONS:
+            raise SimError(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
         get_policy(self.policy)
         for name in ("capacity_tokens", "num_replicas", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
@@ -137,7 +139,8 @@ class Fleet:
                                 max_num_seqs=config.max_num_seqs,
                                 max_num_batched_tokens=config.max_num_batched_tokens,
                                 enable_prefix_caching=spec.prefix_caching,
-                                protect_on_admission=config.protect_on_admission)
+                                protect_on_admission=config.admission == "protective" or (
+                                    config.admission == "auto" and spec.protects))
         self.num_blocks = max(1, config.capacity_tokens // bs)
 
         self.residency: list[Residency | None] = [None] * config.num_replicas

@@ -30,6 +30,7 @@ class PolicySpec:
     description: str
     prefix_caching: bool
     eviction: Callable[[PolicyContext], EvictionPolicy] | None  # None: no prefix cache
+    protects: bool = False  # keeps some free blocks back (admission `auto` is protective then)
 
 
 POLICIES: tuple[PolicySpec, ...] = (
@@ -39,7 +40,7 @@ POLICIES: tuple[PolicySpec, ...] = (
     PolicySpec("belady", "offline oracle: evict the block whose next use is farthest away",
                True, lambda ctx: BeladyEviction(Forecast(ctx.oracle(), ctx.progress, ctx.replica), ctx.clock)),
     PolicySpec("agent", "agent-aware residency: paused trajectories kept by expected value (trajectory/)",
-               True, lambda ctx: _agent(ctx)),
+               True, lambda ctx: _agent(ctx), protects=True),
 )
 
 

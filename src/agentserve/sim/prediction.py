@@ -133,7 +133,8 @@ def run(args) -> int:
     workload = take_sessions(load_workload(args.trace, "auto", 0, args.seed), args.sessions)
     plan = compile_workload(workload, True, 1.0)
     starts = session_starts(plan, Arrival.POISSON, args.rate, args.seed)
-    config = SimConfig(_ints(args.capacity)[0], "agent", skip_oversized=True, events=args.events)
+    config = SimConfig(_ints(args.capacity)[0], "agent", skip_oversized=True, events=args.events,
+                       admission=args.admission)
     fleet = Fleet(plan, starts, config, load_cost_model(args.cost_model), lambda: NextUse(plan, starts))
     receipts: list[DecisionReceipt] = []
     snaps = Snapshots()

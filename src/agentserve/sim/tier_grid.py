@@ -35,7 +35,7 @@ def run(args) -> int:  # type: ignore[no-untyped-def]
         cap = max(int(mult * args.elbow), floor)
         for name, policy, tiers in ABLATIONS:
             cfg = SimConfig(cap, policy, host_tokens=int(args.host_x * cap) if tiers else 0,
-                            disk_tokens=int(args.disk_x * cap) if tiers else 0)
+                            disk_tokens=int(args.disk_x * cap) if tiers else 0, admission=args.admission)
             res = simulate(plan, starts, cfg, cost)
             s = res.summary
             row = {"x_elbow": mult, "capacity": cap, "ablation": name, "recomputed": s["recomputed_tokens"],
@@ -75,4 +75,6 @@ def add_args(p) -> None:  # type: ignore[no-untyped-def]
     p.add_argument("--disk-x", type=float, default=8.0, help="disk tier, times the device pool")
     p.add_argument("--cost-model", default="h200-llama3-8b")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--admission", default="auto", choices=["auto", "eager", "protective"],
+                   help="as sim's (auto: protective under the agent order; tables before 2026-12-04: eager)")
     p.add_argument("--out", default=None, help="rows as JSON")

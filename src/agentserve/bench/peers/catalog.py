@@ -7,7 +7,7 @@ Claude Code windows of 3 turns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agentserve.bench.peers.cc import CCScale, cc_workload
@@ -54,6 +54,10 @@ def build(name: str, settings: Settings, inputs: Inputs, quick: bool = False) ->
     if name.startswith("cc-c"):
         c = w["cc"]
         return cc_workload(inputs.cc_traces, cc_scale(settings, quick), int(name[4:]), str(c["files"]))
+    if name == "calibration-pressured":  # the sweep's KV-pressured half: sessions the table never uses
+        k = dict(settings.calibration["pressured"]["workload"])  # type: ignore[call-overload,index]
+        return replace(cc_workload(inputs.cc_traces, cc_scale(settings, quick), int(k["level"]), str(k["files"])),
+                       name=name)
     if name == "calibration":
         k = dict(settings.calibration["workload"])  # type: ignore[call-overload]
         return agent_like(int(k["seed"]), int(k["sessions"]), 3 if quick else int(k["turns"]),

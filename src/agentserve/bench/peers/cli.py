@@ -36,7 +36,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="keep the rows already in --out and run the rest")
     p.add_argument("--install-only", action="store_true")
     p.add_argument("--report-only", action="store_true", help="redraw the table and plots from --out")
-    p.add_argument("--calibrate", action="store_true", help="run the settings sweep on the calibration workload")
+    p.add_argument("--calibrate", nargs="?", const="roomy", default=None, choices=["roomy", "pressured"],
+                   help="run the settings sweep on the calibration workload (roomy: the agent-like set in a "
+                        "large pool; pressured: Claude Code sessions from the odd files in a pool holding "
+                        "about half their KV)")
     p.add_argument("--lock", default="/tmp/agentserve-cpu.lock",
                    help="flock(1)-compatible lock held for each server run; 'none' when the caller holds it")
 
@@ -62,9 +65,19 @@ def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _calibration_settings(s: Settings, engine: str, variant: dict[str, object]) -> Settings:
-    c = s.calibration
-    group = Group("calibration", int(c["kv_tokens"]), int(c["max_model_len"]), ("calibration",))  # type: ignore[call-overload]
+def _calibration_part(s: Settings, which: str) -> tuple[str, dict[str, object]]:
+    """(workload name, settings) of one half of the sweep: `roomy` or `pressured`."""
+    if which == "pressured":
+        part = s.calibration.get("pressured")
+        if not part:
+            raise SystemExit("the settings file has no calibration.pressured section")
+        return "calibration-pressured", dict(part)  # type: ignore[call-overload]
+    return "calibration", s.calibration
+
+
+def _calibration_settings(s: Settings, engine: str, variant: dict[str, object], which: str = "roomy") -> Settings:
+    name, c = _calibration_part(s, which)
+    group = Group(name, int(c["kv_tokens"]), int(c["max_model_len"]), (name,))  # type: ignore[call-overload]
     engines = dict(s.engines) | {engine: s.engines[engine].with_variant(variant)}
     return dataclasses.replace(s, groups=(group,), engines=engines)
 
@@ -95,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
     inputs = catalog.Inputs.under(Path(args.shared))
-    results = out / ("calibration.jsonl" if args.calibrate else "results.jsonl")
+    results = out / (f"{_calibration_part(s, args.calibrate)[0]}.jsonl" if args.calibrate else "results.jsonl")
     if args.report_only:
         return _report(args, s, engines, catalog.names(s), {}, results, out, None)
     installed = _installs(engines, Path(args.cache), _model_dir(s))
@@ -158,16 +171,17 @@ def _report(args: argparse.Namespace, s: Settings, engines: list[str], names: li
 
 def _calibrate(args: argparse.Namespace, s: Settings, engines: list[str], installed: dict[str, Installed],
                inputs: catalog.Inputs, out: Path, results: Path) -> int:
-    w = catalog.build("calibration", s, inputs, args.quick)
-    sweep = dict(s.calibration["sweep"])  # type: ignore[call-overload]
+    wname, part = _calibration_part(s, args.calibrate)
+    w = catalog.build(wname, s, inputs, args.quick)
+    sweep = dict(part["sweep"])  # type: ignore[call-overload]
     repeats = args.repeats or 1
     lock = None if args.lock == "none" else Path(args.lock)
     for e in engines:
         for name, variant in dict(sweep.get(e) or {}).items():
-            cs = _calibration_settings(s, e, variant or {})
-            ctx = Context(cs, installed, {"calibration": w}, results, out / "logs", lock)
+            cs = _calibration_settings(s, e, variant or {}, args.calibrate)
+            ctx = Context(cs, installed, {wname: w}, results, out / "logs", lock)
             for r in range(repeats):
-                run_cell(Cell("calibration", r, e, ("calibration",), name), ctx)
+                run_cell(Cell(wname, r, e, (wname,), name), ctx)
     rows = read_rows(results)
     print("| engine | variant | turns/min | TTFT p50 s | TTFT p99 s | JCT p50 s | JCT p99 s | errors |")
     print("|---|---|---|---|---|---|---|---|")
@@ -176,5 +190,5 @@ def _calibrate(args: argparse.Namespace, s: Settings, engines: list[str], instal
         print(f"| {row.engine} | {row.variant} | " + " | ".join(
             f"{f.get(k, float('nan')):.2f}" for k in ("turns_per_min", "ttft_p50_s", "ttft_p99_s", "jct_p50_s",
                                                     "jct_p99_s", "errors")) + " |")
-    (out / "calibration.json").write_text(json.dumps([dataclasses.asdict(r) | {"records": []} for r in rows], indent=1))
+    (out / f"{wname}.json").write_text(json.dumps([dataclasses.asdict(r) | {"records": []} for r in rows], indent=1))
     return 0
