@@ -66,5 +66,8 @@ def test_the_pressured_calibration_uses_sessions_the_table_never_does() -> None:
     # the table's cc rows draw from the even-numbered trace files, this from the odd ones
     assert {s.workloads["cc"]["files"], part["workload"]["files"]} == {"even", "odd"}
     assert part["kv_tokens"] == s.group_of("cc-c8").kv_tokens  # the pressure the cc-c8 row has
-    assert "residency-on" in part["sweep"]["agentserve"]
+    assert "residency-shadow" in part["sweep"]["agentserve"]
+    # the frozen flags are what that half chose (docs/peers.md)
+    args = s.engines["agentserve"].args
+    assert args[args.index("--residency") + 1] == "on"
     assert _calibration_part(s, "roomy") == ("calibration", s.calibration)

@@ -473,3 +473,18 @@ def test_the_walk_evicts_in_the_order_its_definition_gives(ops):
     event("pops of protected blocks: " + ("10+" if checked[0] >= 10 else "1-9" if checked[0] else "0"))
     event("marks used: " + ("yes" if ev._heads or ev._gone else "no"))
 
+
+
+def test_turn_classes_split_a_pause_class_by_how_many_requests_the_trajectory_made():
+    clock, res, ev, pool = setup(64, turn_classes=(1, 3))
+    seen = []
+    for i in range(5):
+        run_turn(pool, res, "a", list(range(100, 102 + i)), "tool")
+        seen.append(res._pauses[key("a")].pause_class)
+        clock.t += 1.0
+    assert seen == ["tool@1", "tool@2-3", "tool@2-3", "tool@4+", "tool@4+"]
+    # a return is learned in the bucket of the pause it ends
+    assert res.estimator.stats()["tool@2-3"]["returns"] == 2
+    clock, res, ev, pool = setup(64)  # off by default: the class as named
+    run_turn(pool, res, "a", [1, 2], "tool")
+    assert res._pauses[key("a")].pause_class == "tool"

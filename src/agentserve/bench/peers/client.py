@@ -131,10 +131,14 @@ async def run_script(client: httpx.AsyncClient, dialect: Dialect, script: Script
             break
         out, recovered = c.ids, False
         needed = k + 1 < len(script.steps) and script.steps[k + 1].keep_output
+        error = None
         if needed and len(out) < c.num_generated and dialect.name == "llama.cpp":
-            out, recovered = await generated_ids(client, dialect, context, step.max_tokens), True
-        error = None if c.num_generated == step.max_tokens and (len(out) == step.max_tokens or not needed) else (
-            f"got {len(out)} ids ({c.num_generated} reported), expected {step.max_tokens}")
+            try:  # a failure here is this turn's, like the request's own (the server may be gone)
+                out, recovered = await generated_ids(client, dialect, context, step.max_tokens), True
+            except (httpx.HTTPError, RuntimeError, ValueError) as e:
+                error = f"recovering ids: {type(e).__name__}: {e}"[:300]
+        if error is None and not (c.num_generated == step.max_tokens and (len(out) == step.max_tokens or not needed)):
+            error = f"got {len(out)} ids ({c.num_generated} reported), expected {step.max_tokens}"
         records.append(TurnRecord(script.name, k + 1, sent, len(context), c.cached_tokens, c.num_generated,
                                   c.ttft_s, c.latency_s, error, recovered))
         if error:
