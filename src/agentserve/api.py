@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentserve.config import ADMISSIONS, CacheConfig, SchedulerConfig, TierConfig
+from agentserve.config import ADMISSIONS, CacheConfig, SchedulerConfig, TierConfig, protective_admission
 from agentserve.engine.engine import Engine
 from agentserve.engine.tier_build import build_kv_tiers
 from agentserve.engine.tiers import KvTiers
@@ -112,7 +112,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             eos_token_ids=self.model_config.eos_token_ids,
-            protect_on_admission=admission == "protective" or (admission == "auto" and residency == "on"),
+            protect_on_admission=protective_admission(admission, residency == "on"),
         )
         self.residency_mode = residency
         clock = time.monotonic  # the engine's clock too

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-ADMISSIONS = ("auto", "eager", "protective")  # LLM(admission=...), serve --admission
+ADMISSIONS = ("auto", "eager", "protective")  # LLM(admission=...), serve --admission, sim --admission
+
+
+def protective_admission(admission: str, order_protects: bool) -> bool:
+    """SchedulerConfig.protect_on_admission for an admission mode: `auto` is protective exactly
+    when the eviction order protects blocks (serve's `--residency on`, the simulator's `agent`)."""
+    return admission == "protective" or (admission == "auto" and order_protects)
 
 
 @dataclass(frozen=True, slots=True)

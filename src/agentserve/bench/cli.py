@@ -10,6 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from agentserve.config import ADMISSIONS
+
 
 def _engine(args: argparse.Namespace) -> int:
     from agentserve.bench.engine_bench import rows_as_dicts, run_bench
@@ -373,7 +375,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--rate", type=float, default=1 / 300, help="sessions per second (Poisson)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--events", default="none", choices=["none", "terminal"])
-    q.add_argument("--admission", default="auto", choices=["auto", "eager", "protective"],
+    q.add_argument("--admission", default="auto", choices=list(ADMISSIONS),
                    help="as sim's (auto: protective; tables before 2026-12-04: eager)")
     q.add_argument("--cost-model", default="h200-llama3-8b")
     q.add_argument("--json", default=None)

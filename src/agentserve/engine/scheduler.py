@@ -336,10 +336,10 @@ class Scheduler:
                     continue
             computed, n, need = self._admission(request, reach, budget, len(matched))
             hit = self.pool.count_free(matched)
-            free = self.pool.num_free_blocks - hit
-            if need > free or (self._protective() and need > self._unprotected(matched, hit)):
+            if not self._fits(need, matched, hit):
                 i, passed = i + 1, passed + 1
                 continue
+            free = self.pool.num_free_blocks - hit
             del self.waiting[i]
             if self._load(request, matched, lower, free):
                 continue
@@ -366,10 +366,15 @@ class Scheduler:
         several)."""
         return self.config.protect_on_admission and len(self.running) >= self.config.protective_floor
 
-    def _unprotected(self, matched: list[BlockId], hit: int) -> int:
-        """Free blocks a request with this device prefix could take without evicting a
-        protected one (its own matched blocks are taken, not evicted; `hit` of them are free)."""
-        return self.pool.num_unprotected_free_blocks - (hit - self.pool.count_protected(matched))
+    def _fits(self, need: int, matched: list[BlockId], hit: int) -> bool:
+        """Whether `need` new blocks can be admitted beside this device prefix, `hit` of whose
+        blocks are free (taken, not evicted): free blocks enough, and under protective admission
+        enough that taking them evicts no protected block."""
+        free = self.pool.num_free_blocks - hit
+        if need > free or not self._protective():
+            return need <= free
+        unprotected = self.pool.num_unprotected_free_blocks - (hit - self.pool.count_protected(matched))
+        return need <= unprotected
 
     def _in_flight(self) -> set[BlockHash]:
         """Hashes of full blocks that running requests are computing (not yet published)."""
@@ -539,9 +544,7 @@ class Scheduler:
             matched, lower = self._match(request)
             reach = len(matched) + lower
             _, _, need = self._admission(request, reach, budget, len(matched))
-            hit = self.pool.count_free(matched)
-            if need <= self.pool.num_free_blocks - hit and not (
-                    self._protective() and need > self._unprotected(matched, hit)):
+            if self._fits(need, matched, self.pool.count_free(matched)):
                 return False  # admitted now, or a step after its next block is published
             # Pure decode steps only take free blocks (its need and the free blocks outside its
             # match never improve; nor do the unprotected ones, and no request starts or ends,

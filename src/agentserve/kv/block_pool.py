@@ -154,11 +154,6 @@ class BlockPool:
         (a paused or returned trajectory's, under `--residency on`): all free blocks under LRU."""
         return len(self._uncached) + self._evictable.num_unprotected
 
-    def count_unprotected_free(self, block_ids: Sequence[BlockId]) -> int:
-        """How many of these blocks are free and not protected: a hit on them takes them from
-        `num_unprotected_free_blocks`."""
-        return self.count_free(block_ids) - self.count_protected(block_ids)
-
     def count_protected(self, block_ids: Sequence[BlockId]) -> int:
         """How many of these blocks are free and protected by the eviction policy."""
         return self._evictable.count_protected(block_ids)

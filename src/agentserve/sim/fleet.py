@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from agentserve.config import ADMISSIONS, SchedulerConfig
+from agentserve.config import ADMISSIONS, SchedulerConfig, protective_admission
 from agentserve.engine.request import Request, RequestId, RequestOutput, SamplingParams
 from agentserve.engine.scheduler import Scheduler
 from agentserve.kv.block_pool import BlockPool
@@ -139,8 +139,7 @@ class Fleet:
                                 max_num_seqs=config.max_num_seqs,
                                 max_num_batched_tokens=config.max_num_batched_tokens,
                                 enable_prefix_caching=spec.prefix_caching,
-                                protect_on_admission=config.admission == "protective" or (
-                                    config.admission == "auto" and spec.protects))
+                                protect_on_admission=protective_admission(config.admission, spec.protects))
         self.num_blocks = max(1, config.capacity_tokens // bs)
 
         self.residency: list[Residency | None] = [None] * config.num_replicas

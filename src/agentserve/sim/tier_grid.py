@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from agentserve.config import ADMISSIONS
+
 ABLATIONS = (("B", "lru", False), ("D", "lru", True), ("E", "agent", False), ("G", "agent", True))
 
 
@@ -75,6 +77,6 @@ def add_args(p) -> None:  # type: ignore[no-untyped-def]
     p.add_argument("--disk-x", type=float, default=8.0, help="disk tier, times the device pool")
     p.add_argument("--cost-model", default="h200-llama3-8b")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--admission", default="auto", choices=["auto", "eager", "protective"],
+    p.add_argument("--admission", default="auto", choices=list(ADMISSIONS),
                    help="as sim's (auto: protective under the agent order; tables before 2026-12-04: eager)")
     p.add_argument("--out", default=None, help="rows as JSON")

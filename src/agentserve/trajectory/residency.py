@@ -77,9 +77,6 @@ class ResidencyConfig:
     # the next prefetch_window_s) is above this (tool_finished prefetches at once).
     prefetch_above: float = 0.5
     prefetch_window_s: float = 10.0
-    # A pause's class also says how many requests its trajectory has made, in buckets ending at
-    # these counts ((1, 3): "@1", "@2-3", "@4+"); () keeps the class as named.
-    turn_classes: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -251,8 +248,7 @@ class Residency:
         start = self.timer()
         now = self.clock()
         self._table.touch(key)
-        cls = None if pause_class is None else self.estimator.class_of(
-            self._with_turns(pause_class, self.registry.get(key)))
+        cls = self.estimator.class_of(pause_class) if pause_class is not None else None
         old = self.protected.get(key)
         grown = None  # the new sequence extends the protected old one: only its new blocks change
         if old is not None and state in PAUSED and cls is not None and len(hashes) >= len(old.hashes) \
@@ -275,18 +271,6 @@ class Residency:
             advice = self._pause(t, cls, now, expected_s)
         self._timed(start)
         return advice
-
-    def _with_turns(self, name: str, t: Trajectory | None) -> str:
-        """The class name with its trajectory's request-count bucket (config.turn_classes)."""
-        bounds = self.config.turn_classes
-        if not bounds or t is None:
-            return name
-        lo = 1
-        for hi in bounds:
-            if t.num_requests <= hi:
-                return f"{name}@{lo}" if lo == hi else f"{name}@{lo}-{hi}"
-            lo = hi + 1
-        return f"{name}@{lo}+"
 
     def on_abandoned(self, key: TrajectoryKey) -> None:
         """Its request failed or was aborted before a response: it waits, unprotected, with the
@@ -319,7 +303,7 @@ class Residency:
             if event is Event.TOOL_STARTED:
                 if not t.paused:
                     return Outcome.OUT_OF_ORDER  # its response has not ended yet
-                cls = None if tool_class is None else self.estimator.class_of(self._with_turns(tool_class, t))
+                cls = self.estimator.class_of(tool_class) if tool_class is not None else None
                 if pause is not None and pause.returned_s is None and (cls is None or cls == pause.pause_class) \
                         and expected_s is None:
                     return Outcome.DUPLICATE
