@@ -59,10 +59,12 @@ class ReturnEstimator:
     _classes: dict[str, _Class] = field(default_factory=dict)
     _grid_array: np.ndarray = field(init=False)  # the grid (fixed at construction) as arrays
     _log_grid_array: np.ndarray = field(init=False)
+    _log_width: list[float] = field(init=False)  # log(grid[k + 1] / grid[k]), as survival() divides by it
 
     def __post_init__(self) -> None:
         self._grid_array = np.asarray(self.grid, dtype=np.float64)
         self._log_grid_array = np.log(self._grid_array)
+        self._log_width = [math.log(hi / lo) for lo, hi in zip(self.grid, self.grid[1:])]
 
     def class_of(self, name: str) -> str:
         if name in self._classes or len(self._classes) < self.max_classes - 1 or name == OTHER:
@@ -137,21 +139,19 @@ class ReturnEstimator:
 
     def survival(self, name: str, t_s: float) -> float:
         """P(gap > t), interpolated in log time inside a bin (S at bin edges is exact KM)."""
-        c = self._get(name)
-        s = self._survival(c)
-        k = self._bin(t_s)
-        if k == 0:
-            lo_t, lo_s = 0.0, 1.0
-        else:
-            lo_t, lo_s = self.grid[k - 1], s[k - 1]
-        if k >= len(self.grid):  # past the grid: what is left never returns
+        return self._s_at(self._survival(self._get(name)), t_s)
+
+    def _s_at(self, s: list[float], t_s: float) -> float:
+        """survival() on a class's S at the bin edges (the eviction order's sort calls it per
+        trajectory, so it does no more than it must)."""
+        grid = self.grid
+        k = bisect.bisect_right(grid, t_s) if t_s > 0.0 else 0  # _bin
+        if k >= len(grid):  # past the grid: what is left never returns
             return s[-1]
-        hi_t, hi_s = self.grid[k], s[k]
-        if lo_t <= 0.0:
-            frac = t_s / hi_t
-        else:
-            frac = math.log(max(t_s, lo_t) / lo_t) / math.log(hi_t / lo_t)
-        return lo_s + (hi_s - lo_s) * min(1.0, max(0.0, frac))
+        if k == 0:  # linear in time from S(0) = 1 to the first edge
+            return 1.0 + (s[0] - 1.0) * min(1.0, max(0.0, t_s / grid[0]))
+        lo_t, lo_s = grid[k - 1], s[k - 1]  # lo_t <= t_s < grid[k]
+        return lo_s + (s[k] - lo_s) * min(1.0, max(0.0, math.log(t_s / lo_t) / self._log_width[k - 1]))
 
     def survival_many(self, name: str, t_s: np.ndarray) -> np.ndarray:
         """survival() at each of an array of times (the eviction order's sort: one call per
@@ -190,10 +190,12 @@ class ReturnEstimator:
 
     def p_return_within(self, name: str, waited_s: float, horizon_s: float) -> float:
         """P(returns in (waited, waited + horizon] | not returned by waited)."""
-        now = self.survival(name, waited_s)
+        c = self._classes.get(name)
+        s = self._survival(self._get(name) if c is None else c)
+        now = self._s_at(s, waited_s)
         if now <= 1e-12:
             return 0.0
-        return max(0.0, (now - self.survival(name, waited_s + horizon_s)) / now)
+        return max(0.0, (now - self._s_at(s, waited_s + horizon_s)) / now)
 
     def quantile(self, name: str, q: float) -> float | None:
         """The time t with P(gap <= t) = q among all pauses; None if the never-return mass makes

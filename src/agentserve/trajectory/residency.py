@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -91,6 +92,15 @@ class _Pause:
     returned_s: float | None = None  # tool_finished came before its request: observed then
 
 
+@dataclass(slots=True)
+class _Moment:
+    """What a pass over the protected trajectories at one time computes once: the horizon, and
+    each class's P at a fresh pause."""
+
+    horizon_s: float | None = None
+    fresh: dict[str, float] = field(default_factory=dict)
+
+
 _RUNNING, _NO_PAUSE, _CLASS, _HINT, _UNUSED = 0, 1, 2, 3, -1  # what a row's rank is computed from
 
 
@@ -112,6 +122,8 @@ class _RankTable:
         self.start = np.zeros(0)
         self.expected = np.zeros(0)
         self.seq = np.zeros(0, dtype=np.int64)
+        # the eviction walk's marks leave nothing of it to walk (AgentEviction sets and clears it)
+        self.spent = np.zeros(0, dtype=bool)
         self.class_index: dict[str, int] = {}
         self.class_names: list[str] = []
         self._next_seq = 0
@@ -125,12 +137,13 @@ class _RankTable:
             if row >= len(self.kind):  # grow every array by doubling
                 size = max(64, 2 * len(self.kind))
                 self.kind = np.concatenate([self.kind, np.full(size - len(self.kind), _UNUSED, dtype=np.int8)])
-                for name in ("cls", "start", "expected", "seq"):
+                for name in ("cls", "start", "expected", "seq", "spent"):
                     a = getattr(self, name)
                     setattr(self, name, np.concatenate([a, np.zeros(size - len(a), dtype=a.dtype)]))
         self.rows[t.key] = row
         self.traj[row] = t
         self.seq[row] = self._next_seq
+        self.spent[row] = False
         self._next_seq += 1
         self.dirty.add(t.key)
 
@@ -368,8 +381,8 @@ class Residency:
         Its pause stays open (a return is still observed and settled)."""
         below = self.config.release_below
         if len(self.protected) < self.array_rank_min:
-            fresh_of: dict[str, float] = {}
-            low = [t for t in self.protected.values() if self.p_keep(t, now, fresh_of) < below]
+            moment = _Moment()
+            low = [t for t in self.protected.values() if self.p_keep(t, now, moment) < below]
         else:  # the same P over the table's arrays, in protection order
             tab = self._table
             p = self._p_rows(now)
@@ -566,7 +579,9 @@ class Residency:
         if self._churn_t is None:
             self._churn_t, self._evictions_seen = now, n
             return self._churn_rate
-        if now == self._churn_t and n == self._evictions_seen:
+        if now == self._churn_t:
+            # evictions of this moment count once time moves on: the horizon, and so the eviction
+            # order, is one per moment (several pops at one time were ranked by different ones)
             return self._churn_rate
         dt = now - self._churn_t
         k = math.log(2) / self.config.churn_halflife_s
@@ -592,23 +607,30 @@ class Residency:
             return 1.0 if left <= horizon_s else horizon_s / left
         return self.estimator.p_return_within(cls, waited_s, horizon_s)
 
-    def p_keep(self, t: Trajectory, now: float, fresh_of: dict[str, float] | None = None) -> float:
+    def p_keep(self, t: Trajectory, now: float, moment: _Moment | None = None) -> float:
         """P(it returns within the horizon), never above what it was at the pause: the
         estimate conditioned on the wait so far, capped by the unconditioned one. The cap
         makes a longer wait never look better than a fresh pause of the same class, which the
-        life table's bin noise otherwise allows (see `rank`). fresh_of: a cache of the
-        unconditioned P per class, valid for one moment (one sort)."""
+        life table's bin noise otherwise allows (see `rank`). moment: what one pass over the
+        protected trajectories at one time (a sort) computes once."""
         if t.state is State.RUNNING:
             return 1.0  # returned: needed now
         pause = self._pauses.get(t.key)
         if pause is None:
             return 0.0
-        h = self.horizon_s()
+        if moment is None:
+            h = self.horizon_s()
+        elif moment.horizon_s is None:
+            # (computed only once a paused one needs it: the churn estimate it reads is updated
+            # by each reading at a new time, so when it is read is part of the policy)
+            h = moment.horizon_s = self.horizon_s()
+        else:
+            h = moment.horizon_s
         cls, expected = pause.pause_class, pause.expected_return_s
-        if expected is None and fresh_of is not None:
-            fresh = fresh_of.get(cls)
+        if expected is None and moment is not None:
+            fresh = moment.fresh.get(cls)
             if fresh is None:
-                fresh = fresh_of[cls] = self._p_return(cls, 0.0, h, None, now)
+                fresh = moment.fresh[cls] = self._p_return(cls, 0.0, h, None, now)
         else:
             fresh = self._p_return(cls, 0.0, h, expected, pause.start_s)
         waited = self._p_return(cls, now - pause.start_s, h, expected, now)
@@ -618,12 +640,12 @@ class Residency:
         """The expected value of keeping it: blocks expected to be reused."""
         return self.p_keep(t, now) * len(t.hashes)
 
-    def rank(self, t: Trajectory, now: float, fresh_of: dict[str, float] | None = None) -> tuple[float, float]:
+    def rank(self, t: Trajectory, now: float, moment: _Moment | None = None) -> tuple[float, float]:
         """The eviction order's key, lowest first: P(return within the horizon) per block (to two
         decimals), then the pause's recency. Ranking by the value itself (P x blocks) or by P
         with the life table's own waits ordered returns worse than recency alone on the
         odd-numbered Claude Code files; this orders them better (docs/residency.md)."""
-        p = self.p_keep(t, now, fresh_of)
+        p = self.p_keep(t, now, moment)
         pause = self._pauses.get(t.key)
         return (round(p, 2), now if t.state is State.RUNNING or pause is None else pause.start_s)
 
@@ -674,7 +696,7 @@ class Residency:
                 p[rows] = np.minimum(both[0], both[1:])
         return p
 
-    def _sorted_rows(self, now: float) -> tuple[list[int], np.ndarray, np.ndarray]:
+    def _sorted_rows(self, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The table's used rows lowest rank first (ties in protection order), and their rank
         keys: P to two decimals, then the pause's start (now for a row with no open pause)."""
         tab = self._table
@@ -684,25 +706,33 @@ class Residency:
         key1 = np.round(p[used], 2)
         key2 = np.where((kind == _CLASS) | (kind == _HINT), tab.start[used], now)
         order = np.lexsort((tab.seq[used], key2, key1))
-        return used[order].tolist(), key1[order], key2[order]
+        return used[order], key1[order], key2[order]
 
     def ranks(self, now: float) -> list[tuple[Trajectory, tuple[float, float]]]:
         """Every protected trajectory with its rank (see `rank`), lowest first; ties in the
         order they were protected."""
         if len(self.protected) < self.array_rank_min:
-            fresh_of: dict[str, float] = {}
-            return sorted(((t, self.rank(t, now, fresh_of)) for t in self.protected.values()), key=lambda x: x[1])
+            moment = _Moment()
+            return sorted(((t, self.rank(t, now, moment)) for t in self.protected.values()), key=lambda x: x[1])
         rows, key1, key2 = self._sorted_rows(now)
         traj = self._table.traj
-        return [(traj[row], (a, b)) for row, a, b in zip(rows, key1.tolist(), key2.tolist())]  # type: ignore[misc]
+        return [(traj[row], (a, b)) for row, a, b in zip(rows.tolist(), key1.tolist(), key2.tolist())]  # type: ignore[misc]
 
     def ranked(self, now: float) -> list[Trajectory]:
-        """Protected trajectories, lowest rank first (the eviction order's walk)."""
+        """Protected trajectories, lowest rank first."""
         if len(self.protected) < self.array_rank_min:
-            fresh_of: dict[str, float] = {}
-            return sorted(self.protected.values(), key=lambda t: self.rank(t, now, fresh_of))
+            moment = _Moment()
+            return sorted(self.protected.values(), key=lambda t: self.rank(t, now, moment))
         traj = self._table.traj
-        return [traj[row] for row in self._sorted_rows(now)[0]]  # type: ignore[misc]  # a list: walks iterate it often
+        return [traj[row] for row in self._sorted_rows(now)[0].tolist()]  # type: ignore[misc]
+
+    def ranked_rows(self, now: float) -> np.ndarray:
+        """The same order as `ranked`, as rows of the rank table (the eviction walk's: it reads
+        a row's trajectory only when it gets to it, and skips the spent rows in one operation)."""
+        if len(self.protected) < self.array_rank_min:
+            rows = self._table.rows
+            return np.fromiter((rows[t.key] for t in self.ranked(now)), dtype=np.int64, count=len(self.protected))
+        return self._sorted_rows(now)[0]
 
     # views -----------------------------------------------------------------------------
     def describe(self, key: TrajectoryKey) -> dict[str, object] | None:
@@ -747,7 +777,7 @@ class AgentEviction:
         self._held: set[BlockId] = set()  # free, cached, held by a protected trajectory
         self.num_protected_evictions = 0
         self.num_budget_evictions = 0  # of those, taken before unprotected blocks (over the budget)
-        self._order: list[Trajectory] = []
+        self._order = np.zeros(0, dtype=np.int64)  # rows of the residency's rank table
         self._order_version, self._order_t = -1, -math.inf
         # Marks, per protection (dropped whenever its protection changes): a tail mark (hashes,
         # i) says hashes[i:] are not in the pool, a head mark (hashes, j) that none of hashes[:j]
@@ -771,19 +801,17 @@ class AgentEviction:
         hashes = list(map(hash_of.__getitem__, block_ids))
         assert None not in hashes, "only cached blocks are pushed"
         holders, lru, held = self.residency.holders, self._lru, self._held
-        protected = list(map(holders.__contains__, hashes))
-        if not any(protected):
-            for b in block_ids:
-                lru[b] = None
+        # (C-level passes: a finished request frees thousands of blocks at once; freed blocks
+        # are in neither set, so adding to the OrderedDict appends in this order)
+        if holders.keys().isdisjoint(hashes):
+            lru.update(dict.fromkeys(block_ids))
             return
+        protected = list(map(holders.__contains__, hashes))
         if all(protected):
             held.update(block_ids)
         else:
-            for b, p in zip(block_ids, protected):
-                if p:
-                    held.add(b)
-                else:
-                    lru[b] = None
+            held.update(itertools.compress(block_ids, protected))
+            lru.update(dict.fromkeys(itertools.compress(block_ids, map(operator.not_, protected))))
         # a protected hash computed again: undo the marks that skip it (an extra undo is harmless)
         self._undo(hashes)
 
@@ -804,6 +832,10 @@ class AgentEviction:
     def _unmark(self, key: TrajectoryKey) -> None:
         self._gone.pop(key, None)
         self._heads.pop(key, None)
+        tab = self.residency._table
+        row = tab.rows.get(key)
+        if row is not None:
+            tab.spent[row] = False
 
     def remove(self, block_ids: Sequence[BlockId]) -> None:
         held = self._held
@@ -822,6 +854,18 @@ class AgentEviction:
         # (a block moving from lru to held here is under no live mark: a mark's trajectory holds
         # every hash it skips, so such a block would have been held already)
         index, lru, held = pool.index, self._lru, self._held
+        now_held = list(map(holders.__contains__, hashes))
+        if all(now_held):  # protected or grown (the usual calls): free ones move to held
+            moved = lru.keys() & map(index.get, hashes)
+            for b in moved:
+                del lru[b]
+            held.update(moved)
+            return
+        if not any(now_held):  # released, nothing shared with another: held ones go to lru in order
+            moved = [b for b in map(index.get, hashes) if b in held]
+            held.difference_update(moved)
+            lru.update(dict.fromkeys(moved))
+            return
         for h in hashes:
             b = index.get(h)
             if b is None:
@@ -871,13 +915,13 @@ class AgentEviction:
             log.append((self.residency.clock(), "evict", tuple(hash_of[b] for b in out)))
         return out
 
-    def _ranked(self, now: float) -> list[Trajectory]:
-        """Protected trajectories, lowest value first. Re-sorted when the protected set or a
-        state changed, or after `reorder_s`: values drift slowly, and a sort per allocation
+    def _ranked(self, now: float) -> np.ndarray:
+        """Protected trajectories' rows, lowest value first. Re-sorted when the protected set or
+        a state changed, or after `reorder_s`: values drift slowly, and a sort per allocation
         was most of the policy's cost."""
         res = self.residency
         if res.version != self._order_version or now - self._order_t > res.config.reorder_s:
-            self._order = res.ranked(now)
+            self._order = res.ranked_rows(now)
             self._order_version, self._order_t = res.version, now
         return self._order
 
@@ -906,6 +950,7 @@ class AgentEviction:
     def _clear_marks(self) -> None:
         for d in (self._gone, self._heads, self._behind1, self._ahead1, self._behind, self._ahead):
             d.clear()
+        self.residency._table.spent[:] = False
 
     def _register(self, key: TrajectoryKey, hashes: Sequence[BlockHash], one: dict[BlockHash, TrajectoryKey],
                   many: dict[BlockHash, set[TrajectoryKey]]) -> None:
@@ -935,7 +980,13 @@ class AgentEviction:
         behind1, behind = self._behind1, self._behind
         passed: dict[BlockHash, int] = {}  # less valuable holders already passed, per shared hash
         out: list[BlockId] = []
-        for t in self._ranked(res.clock()):
+        tab = res._table
+        order, traj, spent = self._ranked(res.clock()), tab.traj, tab.spent
+        if gone is not None:  # a spent row's walk would change nothing (its marks stay as they are)
+            order = order[~spent[order]]
+        for row in order.tolist():
+            t = traj[row]
+            assert t is not None
             key = t.key
             if key not in res.protected:
                 continue
@@ -1007,10 +1058,16 @@ class AgentEviction:
                 continue
             if tail:
                 gone[key] = (hashes, i)
-            elif low_held > lo:
-                # nothing in hashes[:low_held] is held now (those below lo are registered already)
-                register(key, hashes[lo:low_held], self._ahead1, self._ahead)
-                heads[key] = (hashes, low_held)
+                top = i
+            else:
+                top = gone[key][1]
+                if low_held > lo:
+                    # nothing in hashes[:low_held] is held now (those below lo are registered already)
+                    register(key, hashes[lo:low_held], self._ahead1, self._ahead)
+                    heads[key] = (hashes, low_held)
+                    lo = low_held
+            if top <= lo:  # the next walk would go from top down to lo: nothing, until a mark goes
+                spent[row] = True
         return out
 
     def __len__(self) -> int:
