@@ -51,6 +51,54 @@ def test_prefill_decode_and_cached_prefix_match_hf(arch, dtype):
     assert (out - ref[25:]).abs().max() < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_long_chunk_over_a_cached_prefix_takes_the_split_path_and_matches_hf(arch, dtype):
+    """A chunk of SPLIT_MIN_ROWS+ rows over a cached prefix: two flash calls merged by their
+    log-sum-exps (no mask), against transformers' forward of the whole sequence; a short chunk
+    after it stays on the masked path and matches too."""
+    from agentserve.model.transformer import SPLIT_MIN_ROWS
+
+    hf = tiny_hf_model(arch)
+    cfg = model_config_of(hf, arch)
+    model = Transformer(cfg, weights_of(hf, dtype))
+    n_new = SPLIT_MIN_ROWS + 13
+    ids = torch.randint(0, cfg.vocab_size, (37 + n_new + 5,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        ref = hf.to(dtype)(torch.tensor([ids])).logits[0].float()
+    blocks = torch.randperm(64, generator=torch.Generator().manual_seed(5)).tolist()  # scattered
+    kv = PagedKV(cfg, 64, BLOCK, dtype, torch.device("cpu"))
+    tol = TOL[dtype]
+    run_chunk(model, kv, ids[:37], 0, blocks)  # the cached prefix (ends mid-block)
+    long = ChunkLayout(0, n_new, 37, slots_for(blocks, 0, 37 + n_new))
+    assert model._splits(long, torch.device("cpu"))
+    out = run_chunk(model, kv, ids[37 : 37 + n_new], 37, blocks)
+    assert (out - ref[37 : 37 + n_new]).abs().max() < tol
+    short = ChunkLayout(0, 5, 37 + n_new, slots_for(blocks, 0, len(ids)))
+    assert not model._splits(short, torch.device("cpu"))
+    out = run_chunk(model, kv, ids[37 + n_new :], 37 + n_new, blocks)
+    assert (out - ref[37 + n_new :]).abs().max() < tol
+
+
+def test_split_attention_equals_fp64_softmax_over_the_union():
+    """The merge itself, at grouped-query shapes, against a float64 masked softmax."""
+    model = Transformer.__new__(Transformer)
+    gen = torch.Generator().manual_seed(6)
+    for heads, kv_heads, dim, rows, start in ((14, 2, 64, 64, 300), (8, 8, 32, 100, 1), (6, 2, 16, 200, 513)):
+        model.config = type("Shape", (), {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": dim})()
+        model.scale = dim ** -0.5
+        k_cache, v_cache = torch.randn(1024, kv_heads, dim, generator=gen), torch.randn(1024, kv_heads, dim, generator=gen)
+        slots = torch.randperm(1024, generator=gen)[: start + rows]
+        q = torch.randn(rows, heads, dim, generator=gen)
+        got = model._split_attention(q, ChunkLayout(0, rows, start, slots), k_cache, v_cache)
+        keys = k_cache[slots].double().repeat_interleave(heads // kv_heads, 1)  # [ctx, heads, dim]
+        values = v_cache[slots].double().repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("rhd,chd->hrc", q.double(), keys) * model.scale
+        hidden = torch.arange(start + rows)[None, :] > (torch.arange(rows)[:, None] + start)
+        want = torch.einsum("hrc,chd->rhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), values)
+        assert (got.double() - want).abs().max() < 1e-5, (heads, kv_heads, dim, rows, start)
+
+
 def test_two_chunks_in_one_batch_do_not_interfere():
     hf = tiny_hf_model("qwen2")
     cfg = model_config_of(hf, "qwen2")

@@ -1,6 +1,7 @@
 """`agentserve bench attention`: the C++ prefill attention against the torch path it replaces
-(SDPA over the gathered context with an additive mask, or causal SDPA for a chunk at position
-0), on Qwen2.5-0.5B's attention shape, timed side by side in one process.
+(from 64 rows over a cached prefix, two flash calls merged by log-sum-exp; below that, SDPA over
+the gathered context with an additive mask; causal SDPA for a chunk at position 0), on Qwen2.5-0.5B's attention shape, timed side by side
+in one process.
 
 Rows are chunks of `rows` new tokens after `start` cached ones, from an agent turn's short new
 piece to the last 2,048-token chunk of a 16k prompt. GFLOP/s counts the causal work only:
@@ -61,9 +62,13 @@ def run_attention_bench(kernels: CpuKernels, heads: int = 14, kv_heads: int = 2,
         slots = torch.randperm(num_slots, generator=gen)[: start + rows]  # scattered, as in the pool
         q = torch.randn(rows, heads, head_dim, generator=gen).to(torch.bfloat16)
         chunk = ChunkLayout(0, rows, start, slots)
-        mask = model._chunk_mask(chunk, torch.bfloat16)  # built once per step in the forward: not timed
+        split = model._splits(chunk, q.device)
+        # the mask is built once per step in the forward: not timed
+        mask = None if split else model._chunk_mask(chunk, torch.bfloat16)
 
         def reference() -> torch.Tensor:
+            if split:
+                return model._split_attention(q, chunk, k, v)
             if mask is None:
                 return model._sdpa(q, k[slots], v[slots], None, causal=True)
             return model._chunk_attention(q, chunk, mask, k, v)

@@ -17,6 +17,13 @@ import torch.nn.functional as F
 from agentserve.model.config import ModelConfig
 from agentserve.model.cpu_kernels import CpuKernels, pack_pairs
 
+# torch's CPU flash attention with its log-sum-exp (F.scaled_dot_product_attention returns only
+# the output): the split prefill path merges two calls by it. None where a build lacks it.
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# Chunks over a cached prefix from this many rows take the split path (bf16 on an Intel Xeon
+# with AMX: equal to the masked call at 32-64 rows, 1.2x faster at 128, 1.3x at 2,048).
+SPLIT_MIN_ROWS = 64
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkLayout:
@@ -250,8 +257,9 @@ class Transformer:
         h = self.embed[token_ids].to(self.compute_dtype)  # [num_tokens, hidden]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, h.dtype)
         in_place = self.prefill_reads_in_place(h.dtype, h.device)
-        # the SDPA path's additive masks, built once and used by every layer; the kernel needs none
-        masks = [None if in_place else self._chunk_mask(c, h.dtype) for c in chunks]
+        # the masked SDPA path's additive masks, built once and used by every layer; the kernel
+        # and the split path need none
+        masks = [None if in_place or self._splits(c, h.device) else self._chunk_mask(c, h.dtype) for c in chunks]
         x = self._norm(h, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             h, x = self._add_norm(h, self._attention(x, layer, cos, sin, write_slots, chunks, masks, decode,
@@ -321,8 +329,10 @@ class Transformer:
             if in_place:  # K/V of this chunk were written above: the kernel reads all from the pool
                 out[rows] = self.kernels.prefill_attention(q[rows], k_cache, v_cache, c.context_slots,
                                                            c.start_position, self.scale)
-            elif mask is None:  # the context is this chunk alone: no need to gather it
+            elif c.start_position == 0:  # the context is this chunk alone: no need to gather it
                 out[rows] = self._sdpa(q[rows], k[rows], v[rows], None, causal=True)
+            elif mask is None:
+                out[rows] = self._split_attention(q[rows], c, k_cache, v_cache)
             else:
                 out[rows] = self._chunk_attention(q[rows], c, mask, k_cache, v_cache)
         if decode is not None:
@@ -400,6 +410,43 @@ class Transformer:
         values = v_cache.index_select(0, c.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
         return o.view(kv_heads, group, rows, dim).permute(2, 0, 1, 3).reshape(rows, heads, dim)
+
+    def _splits(self, c: ChunkLayout, device: torch.device) -> bool:
+        """Whether a chunk over a cached prefix takes `_split_attention` (on CPU, from
+        SPLIT_MIN_ROWS rows) rather than one SDPA call with an additive mask."""
+        return c.start_position > 0 and c.num_rows >= SPLIT_MIN_ROWS and device.type == "cpu" and _FLASH_LSE is not None
+
+    def _split_attention(self, q: torch.Tensor, c: ChunkLayout, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor) -> torch.Tensor:
+        """A chunk over a cached prefix as two unmasked flash-attention calls merged by their
+        log-sum-exps: every row sees the whole prefix (the query heads of a KV head folded into
+        rows, as in `_chunk_attention`), and the chunk itself causally (SDPA's own causal mask,
+        which skips the blocks above the diagonal). Softmax over the union is the two partial
+        outputs weighted by exp(lse_part - lse_union), in fp32. No mask is read, and none of the
+        chunk's future keys is computed: on an Intel Xeon with AMX 2,048 rows over 14,336 cached
+        ran 173 against 228 ms with the mask built beforehand (docs/benchmarks.md).
+        q: [rows, heads, dim]; every key and value is read back from the pool, as stored."""
+        assert _FLASH_LSE is not None
+        rows, heads, dim = q.shape
+        kv_heads = k_cache.shape[1]
+        group = heads // kv_heads
+        start = c.start_position
+        prefix, own = c.context_slots[:start], c.context_slots[start : start + rows]
+        folded = q.view(rows, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * rows, dim)
+        keys = k_cache.index_select(0, prefix).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        values = v_cache.index_select(0, prefix).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        o_prefix, lse_prefix = _FLASH_LSE(folded, keys, values, 0.0, False, scale=self.scale)
+        # the chunk's own keys, each KV head repeated for its query heads (a few MB at 2k rows)
+        own_k = (k_cache.index_select(0, own).to(q.dtype).transpose(0, 1)[:, None]
+                 .expand(kv_heads, group, rows, dim).reshape(1, heads, rows, dim))
+        own_v = (v_cache.index_select(0, own).to(q.dtype).transpose(0, 1)[:, None]
+                 .expand(kv_heads, group, rows, dim).reshape(1, heads, rows, dim))
+        o_own, lse_own = _FLASH_LSE(q.transpose(0, 1).unsqueeze(0), own_k, own_v, 0.0, True, scale=self.scale)
+        lse_prefix, lse_own = lse_prefix.reshape(heads, rows), lse_own.reshape(heads, rows)
+        union = torch.logaddexp(lse_prefix, lse_own)
+        o = (o_prefix.reshape(heads, rows, dim).float() * torch.exp(lse_prefix - union)[..., None]
+             + o_own[0].float() * torch.exp(lse_own - union)[..., None])
+        return o.to(q.dtype).transpose(0, 1)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool) -> torch.Tensor:
