@@ -5,7 +5,7 @@ block above its mmap threshold (at most 32 MB, raised only as large blocks are f
 fresh mmap and returns it on free, so each such tensor is faulted in page by page again, every
 layer of every step: the fused gate/up output of a 2,048-token chunk of Qwen2.5-0.5B is 40 MB.
 tcmalloc keeps freed memory for reuse. Measured on an Intel Xeon with AMX, 2 threads, one
-process each (docs/benchmarks.md, "The allocator"): a 2,048-token prefill 1.83 -> 1.50 s warm
+process each (docs/benchmarks.md, "On an Intel Xeon with AMX, again"): a 2,048-token prefill 1.83 -> 1.50 s warm
 and 3.63 -> 1.60 s for the first one after start, 8k 634 -> 837 tok/s, 16k 514 -> 575 tok/s.
 vLLM's CPU docs ask for the same preload, and its runs in `bench peers` have it.
 

@@ -1,7 +1,7 @@
 """`agentserve bench attention`: the C++ prefill attention against the torch path it replaces
 (from 64 rows over a cached prefix, two flash calls merged by log-sum-exp; below that, SDPA over
-the gathered context with an additive mask; causal SDPA for a chunk at position 0), on Qwen2.5-0.5B's attention shape, timed side by side
-in one process.
+the gathered context with an additive mask; causal SDPA for a chunk at position 0), on
+Qwen2.5-0.5B's attention shape, timed side by side in one process.
 
 Rows are chunks of `rows` new tokens after `start` cached ones, from an agent turn's short new
 piece to the last 2,048-token chunk of a 16k prompt. GFLOP/s counts the causal work only:

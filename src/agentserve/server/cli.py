@@ -71,7 +71,6 @@ def ledger_options(args: argparse.Namespace):
 def tier_config(args: argparse.Namespace) -> TierConfig:
     """The lower KV tiers from the flags; the key from --kv-key, else AGENTSERVE_KV_KEY, else
     the generated key file (outside the store directory)."""
-    import os
     from pathlib import Path
 
     from agentserve.kv.sealing import parse_key
