@@ -215,7 +215,8 @@ def server_args(args, mode: str, disk_dir: Path, ledger: Path | None = None) -> 
     total = args.kv_cache_memory_gib
     device = total * (1 - args.kv_host_share) if tiers else total
     out = ["--model", args.model, "--dtype", "bfloat16", "--residency", residency,
-           "--kv-cache-memory-gib", f"{device:.6f}", "--max-model-len", str(args.max_model_len)]
+           "--kv-cache-memory-gib", f"{device:.6f}", "--max-model-len", str(args.max_model_len),
+           "--admission", args.admission]
     if tiers:
         out += ["--kv-host-gib", f"{total * args.kv_host_share:.6f}", "--kv-disk-dir", str(disk_dir),
                 "--kv-disk-gib", str(args.kv_disk_gib), "--kv-key", "00" * 32, "--kv-disk-no-page-cache"]
@@ -311,6 +312,8 @@ def add_args(p) -> None:
     p.add_argument("--kv-host-share", type=float, default=0.25, help="D, G: share of that RAM in the host store")
     p.add_argument("--kv-disk-gib", type=float, default=4.0, help="D, G: the disk tier's bound")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--admission", default="auto", choices=("auto", "eager", "protective"),
+                   help="every server's --admission (auto: protective with residency on, else eager)")
     p.add_argument("--out", default="bench-residency")
     p.add_argument("--ledger", action="store_true",
                    help="each server writes its ledger to OUT/ledger-MODE-sSEED.jsonl; OUT/report shows seed 0's modes")
