@@ -24,6 +24,13 @@ def test_gaps_are_counted_where_their_later_chunk_lands():
     assert gaps_in(stamps, []) == []
 
 
+def test_an_unknown_or_incomplete_mode_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="unknown mode.*workr"):
+        GrammarBenchConfig(modes=("worker", "workr"))
+    with pytest.raises(ValueError, match="--baseline-src"):
+        GrammarBenchConfig(modes=("baseline",))
+
+
 @pytest.mark.slow
 def test_one_tiny_round_end_to_end(tmp_path):
     cfg = GrammarBenchConfig(streams=2, rounds=1, quiet_s=0.5, modes=("worker",), port=8741, log_dir=tmp_path)

@@ -188,10 +188,13 @@ def _grammar(args: argparse.Namespace) -> int:
 
     from agentserve.bench.grammar_bench import GrammarBenchConfig, result_dicts, run_grammar_bench
 
-    modes = tuple(args.modes.split(","))
-    cfg = GrammarBenchConfig(model=args.model, dtype=args.dtype, device=args.device, streams=args.streams,
-                             rounds=args.rounds, port=args.port, modes=modes,
-                             baseline_src=Path(args.baseline_src) if args.baseline_src else None)
+    modes = tuple(m.strip() for m in args.modes.split(","))
+    try:
+        cfg = GrammarBenchConfig(model=args.model, dtype=args.dtype, device=args.device, streams=args.streams,
+                                 rounds=args.rounds, port=args.port, modes=modes,
+                                 baseline_src=Path(args.baseline_src) if args.baseline_src else None)
+    except ValueError as exc:
+        raise SystemExit(f"agentserve bench grammar: {exc}") from None
     results = asyncio.run(run_grammar_bench(cfg))
     t = Table(title=f"grammar bench: {args.model}, {args.streams} streams, {args.rounds} rounds of a new 40-tool "
                     f"forced call, its tool_choice=auto control and a request with no tools, {platform.processor() or platform.machine()}")

@@ -35,6 +35,7 @@ from agentserve.bench.grammar_client import (ForcedCall, ServerSpec, forced_call
                                              stream_tokens)
 from agentserve.bench.tool_schemas import agent_tools
 
+MODES = ("worker", "inline", "baseline")
 MESSAGES = [{"role": "user", "content": "Book a 30-minute meeting with bob@example.com on Monday at 10:00."}]
 
 
@@ -52,6 +53,13 @@ class GrammarBenchConfig:
     baseline_src: Path | None = None
     startup_timeout_s: float = 300.0
     log_dir: Path = Path("/tmp")
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown:  # a typo would otherwise run as `worker`
+            raise ValueError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
+        if "baseline" in self.modes and self.baseline_src is None:
+            raise ValueError("mode 'baseline' needs --baseline-src (a checkout's src/ directory)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +214,6 @@ async def run_grammar_bench(cfg: GrammarBenchConfig) -> list[ModeResult]:
 
     root = Path.home() / ".cache" / "agentserve"
     tokenizer = load_tokenizer(resolve_model_dir(cfg.model, root))
-    if "baseline" in cfg.modes and cfg.baseline_src is None:
-        raise ValueError("mode 'baseline' needs --baseline-src (a checkout's src/ directory)")
     return [await run_mode(cfg, mode, tokenizer) for mode in cfg.modes]
 
 
