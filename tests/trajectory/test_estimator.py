@@ -104,3 +104,5 @@ def test_the_array_lookups_equal_the_scalar_ones():
         for h in (1.0, 60.0, 5000.0):
             many = e.p_return_within_many(name, np.array(times), h)
             assert many.tolist() == pytest.approx([e.p_return_within(name, t, h) for t in times], rel=1e-9, abs=1e-12)
+            # the scalar sorts' loop: the same arithmetic, so equal bit for bit
+            assert e.p_return_within_each(name, times, h) == [e.p_return_within(name, t, h) for t in times]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from agentserve.kv.block_pool import BlockPool
 from agentserve.trajectory.estimator import Prior, ReturnEstimator
 from agentserve.trajectory.registry import State, TrajectoryKey
-from agentserve.trajectory.residency import AgentEviction, Residency, ResidencyConfig
+from agentserve.trajectory.residency import AgentEviction, Residency, ResidencyConfig, _Moment
 
 
 class Clock:
@@ -377,6 +377,10 @@ def test_the_array_order_is_the_order_rank_defines(ops):
         assert [t.key for t in sorted(arrays.protected.values(), key=lambda t: arrays.rank(t, now))] == want
         for (t, got), (_, ref) in zip(arrays.ranks(now), scalar.ranks(now), strict=True):
             assert got == pytest.approx(ref, abs=1e-12)
+        # the scalar sorts' fused path (_p_each) is p_keep over one moment, bit for bit
+        ts, moment = list(scalar.protected.values()), _Moment()
+        assert scalar._p_each(ts, now) == [scalar.p_keep(t, now, moment) for t in ts]
+        assert [t.key for t in sorted(ts, key=lambda t: scalar.rank(t, now, _Moment()))] == want
     event("decay releases: " + ("some" if decays else "none"))
 
 

@@ -381,8 +381,8 @@ class Residency:
         Its pause stays open (a return is still observed and settled)."""
         below = self.config.release_below
         if len(self.protected) < self.array_rank_min:
-            moment = _Moment()
-            low = [t for t in self.protected.values() if self.p_keep(t, now, moment) < below]
+            ts = list(self.protected.values())
+            low = [t for t, p in zip(ts, self._p_each(ts, now)) if p < below]
         else:  # the same P over the table's arrays, in protection order
             tab = self._table
             p = self._p_rows(now)
@@ -636,6 +636,48 @@ class Residency:
         waited = self._p_return(cls, now - pause.start_s, h, expected, now)
         return min(fresh, waited)
 
+    def _p_each(self, ts: Sequence[Trajectory], now: float) -> list[float]:
+        """p_keep(t, now, moment) of each, with one moment, bit for bit: the scalar sorts' path
+        (under array_rank_min), one estimator call per pause class instead of a chain of calls
+        per trajectory. The horizon is read at the first paused one, as p_keep reads it."""
+        out = [0.0] * len(ts)
+        h: float | None = None
+        by_class: dict[str, tuple[list[int], list[float]]] = {}
+        pauses, running = self._pauses, State.RUNNING
+        for i, t in enumerate(ts):
+            if t.state is running:
+                out[i] = 1.0
+                continue
+            pause = pauses.get(t.key)
+            if pause is None:
+                continue
+            if h is None:
+                h = self.horizon_s()
+            expected = pause.expected_return_s
+            if expected is None:
+                rows, waits = by_class.setdefault(pause.pause_class, ([], [0.0]))  # wait 0: fresh
+                rows.append(i)
+                waits.append(now - pause.start_s)
+            else:  # _p_return with a hint, at the pause and now
+                left0, left = expected - pause.start_s, expected - now
+                out[i] = min(1.0 if left0 <= h else h / left0, 1.0 if left <= h else h / left)
+        for cls, (rows, waits) in by_class.items():
+            assert h is not None
+            p = self.estimator.p_return_within_each(cls, waits, h)
+            fresh = p[0]
+            for i, q in zip(rows, p[1:]):
+                out[i] = min(fresh, q)
+        return out
+
+    def _keys_each(self, ts: Sequence[Trajectory], now: float) -> list[tuple[float, float]]:
+        """rank(t, now, moment) of each, with one moment (see _p_each)."""
+        pauses, running = self._pauses, State.RUNNING
+        keys = []
+        for t, p in zip(ts, self._p_each(ts, now)):
+            pause = pauses.get(t.key)
+            keys.append((round(p, 2), now if t.state is running or pause is None else pause.start_s))
+        return keys
+
     def value(self, t: Trajectory, now: float) -> float:
         """The expected value of keeping it: blocks expected to be reused."""
         return self.p_keep(t, now) * len(t.hashes)
@@ -712,8 +754,8 @@ class Residency:
         """Every protected trajectory with its rank (see `rank`), lowest first; ties in the
         order they were protected."""
         if len(self.protected) < self.array_rank_min:
-            moment = _Moment()
-            return sorted(((t, self.rank(t, now, moment)) for t in self.protected.values()), key=lambda x: x[1])
+            ts = list(self.protected.values())
+            return sorted(zip(ts, self._keys_each(ts, now)), key=lambda x: x[1])  # stable: ties in order
         rows, key1, key2 = self._sorted_rows(now)
         traj = self._table.traj
         return [(traj[row], (a, b)) for row, a, b in zip(rows.tolist(), key1.tolist(), key2.tolist())]  # type: ignore[misc]
@@ -721,8 +763,9 @@ class Residency:
     def ranked(self, now: float) -> list[Trajectory]:
         """Protected trajectories, lowest rank first."""
         if len(self.protected) < self.array_rank_min:
-            moment = _Moment()
-            return sorted(self.protected.values(), key=lambda t: self.rank(t, now, moment))
+            ts = list(self.protected.values())
+            keys = self._keys_each(ts, now)
+            return [ts[i] for i in sorted(range(len(ts)), key=keys.__getitem__)]  # stable, as sorted(ts, key=rank)
         traj = self._table.traj
         return [traj[row] for row in self._sorted_rows(now)[0].tolist()]  # type: ignore[misc]
 
