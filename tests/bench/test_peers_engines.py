@@ -79,3 +79,18 @@ def test_the_harness_thread_settings_do_not_reach_a_server() -> None:
     assert server_env(inherited, plain) == {"PATH": "/bin"}
     named = Launch("vllm", ("serve",), (("OMP_WAIT_POLICY", "ACTIVE"),), 1, "openai")
     assert server_env(inherited, named) == {"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_the_events_row_is_the_same_agentserve_server_with_the_events_client() -> None:
+    from agentserve.bench.peers.engines import command
+    from agentserve.bench.peers.install import Installed
+    from agentserve.bench.peers.settings import ENGINES, load_settings
+
+    s = load_settings()
+    assert "agentserve-events" not in ENGINES  # never in the default table: an extra row, run when named
+    inst = Installed("agentserve", True)
+    group = s.groups[-1]
+    plain = command(s.engines["agentserve"], inst, s, group, 8000)
+    events = command(s.engines["agentserve-events"], inst, s, group, 8000)
+    assert events.argv == plain.argv and events.env == plain.env  # the frozen flags, the same budget
+    assert (plain.dialect, events.dialect) == ("openai", "openai-events")

@@ -18,7 +18,7 @@ from agentserve.bench.peers.engines import command
 from agentserve.bench.peers.install import Installed, install
 from agentserve.bench.peers.report import plots, table
 from agentserve.bench.peers.runner import Cell, Context, estimate_s, missing, plan, read_rows, run_cell
-from agentserve.bench.peers.settings import DEFAULT_SETTINGS, ENGINES, Group, Settings, load_settings
+from agentserve.bench.peers.settings import DEFAULT_SETTINGS, ENGINES, KNOWN_ENGINES, Group, Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[4]
 
@@ -29,7 +29,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="where the peers are installed (outside the repository)")
     p.add_argument("--shared", default=str(REPO.parent / "shared"), help="the shared/ folder (bench, traces)")
     p.add_argument("--settings", default=str(DEFAULT_SETTINGS))
-    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, in the interleaving order")
+    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, in the interleaving order; also agentserve-events (agentserve "
+                   "with trajectory ids and last-turn hints from the client: an extra row)")
     p.add_argument("--only", default=None, help="comma-separated workloads (default: all)")
     p.add_argument("--repeats", type=int, default=None, help="default: settings.yaml (3)")
     p.add_argument("--quick", action="store_true", help="smaller workloads, one repeat: a smoke run")
@@ -104,9 +105,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = [e for e in engines if e not in ENGINES]
+    unknown = [e for e in engines if e not in KNOWN_ENGINES]
     if unknown:
-        raise SystemExit(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
+        raise SystemExit(f"unknown engines {unknown}; known: {', '.join(KNOWN_ENGINES)}")
     inputs = catalog.Inputs.under(Path(args.shared))
     results = out / (f"{_calibration_part(s, args.calibrate)[0]}.jsonl" if args.calibrate else "results.jsonl")
     if args.report_only:

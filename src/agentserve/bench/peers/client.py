@@ -4,6 +4,11 @@ Two dialects of the same request (token-id prompt, greedy, exactly max_tokens ou
 generated ids read back as ids):
 - `openai` (agentserve, vLLM): POST /v1/completions with `return_token_ids`, `ignore_eos`,
   `min_tokens`, `stream_options.include_usage`; reuse from `usage.prompt_tokens_details.cached_tokens`.
+- `openai-events` (the extra engine `agentserve-events`): the same, plus what a harness that
+  speaks agentserve's lifecycle would send and nothing it could not know: each request names its
+  trajectory (`trajectory_id`: the workload and the script), and the script's last request says
+  the task ends with it (`agent_hints.last_turn`, i.e. `trajectory_finished`). No tool classes,
+  no durations: the workload's think times stay unknown to the server, as they are to the peers.
 - `llama.cpp`: its OpenAI route returns no token ids, so its native POST /completion with the same
   prompt ids, `n_predict`, `ignore_eos`, `cache_prompt`, `return_tokens`; reuse from the final
   chunk's `timings.cache_n` (prompt tokens taken from its cache). Its stream withholds the chunk
@@ -60,13 +65,19 @@ class Dialect:
     def path(self) -> str:
         return "/completion" if self.name == "llama.cpp" else "/v1/completions"
 
-    def body(self, prompt: list[int], max_tokens: int, stream: bool = True) -> dict[str, Any]:
+    def body(self, prompt: list[int], max_tokens: int, stream: bool = True, trajectory: str | None = None,
+             last_turn: bool = False) -> dict[str, Any]:
         if self.name == "llama.cpp":
             return {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
                     "cache_prompt": True, "return_tokens": True, "stream": stream, "seed": 0}
-        return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
                 "min_tokens": max_tokens, "return_token_ids": True}
+        if self.name == "openai-events" and trajectory is not None:
+            body["trajectory_id"] = trajectory
+            if last_turn:
+                body["agent_hints"] = {"last_turn": True}
+        return body
 
     def parse(self, event: dict[str, Any]) -> tuple[list[int], int | None, int | None]:
         """(new generated ids, cached prompt tokens, generated count) — the last two where reported."""
@@ -82,13 +93,14 @@ class Dialect:
 
 
 async def complete(client: httpx.AsyncClient, dialect: Dialect, prompt: list[int], max_tokens: int,
-                   clock: Clock) -> Completion:
+                   clock: Clock, trajectory: str | None = None, last_turn: bool = False) -> Completion:
     start = clock()
     ttft: float | None = None
     ids: list[int] = []
     cached: int | None = None
     generated: int | None = None
-    async with client.stream("POST", dialect.path, json=dialect.body(prompt, max_tokens)) as r:
+    body = dialect.body(prompt, max_tokens, trajectory=trajectory, last_turn=last_turn)
+    async with client.stream("POST", dialect.path, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
         async for line in r.aiter_lines():
@@ -113,8 +125,10 @@ async def generated_ids(client: httpx.AsyncClient, dialect: Dialect, prompt: lis
 
 
 async def run_script(client: httpx.AsyncClient, dialect: Dialect, script: Script, t0: float, clock: Clock,
-                     sleep: Callable[[float], Any] = asyncio.sleep) -> list[TurnRecord]:
-    """The script's requests in order; it stops at its first failed request."""
+                     sleep: Callable[[float], Any] = asyncio.sleep, trajectory: str | None = None
+                     ) -> list[TurnRecord]:
+    """The script's requests in order; it stops at its first failed request. `trajectory` names
+    it to a dialect that sends lifecycle hints (`openai-events`); the others ignore it."""
     records: list[TurnRecord] = []
     context: list[int] = []
     out: tuple[int, ...] = ()
@@ -124,7 +138,8 @@ async def run_script(client: httpx.AsyncClient, dialect: Dialect, script: Script
         context = context + (list(out) if step.keep_output else []) + list(step.append)
         sent = clock() - t0
         try:
-            c = await complete(client, dialect, context, step.max_tokens, clock)
+            c = await complete(client, dialect, context, step.max_tokens, clock, trajectory,
+                               last_turn=k + 1 == len(script.steps))
         except (httpx.HTTPError, RuntimeError, ValueError) as e:
             records.append(TurnRecord(script.name, k + 1, sent, len(context), None, 0, None, clock() - t0 - sent,
                                       f"{type(e).__name__}: {e}"[:300]))
@@ -158,7 +173,8 @@ async def run_workload(client: httpx.AsyncClient, dialect: Dialect, workload: Wo
         if s.start_s > 0:
             await sleep(s.start_s)
         try:
-            return await run_script(client, dialect, s, t0, clock, sleep)
+            # the workload's name too: two workloads on one server replay the same sessions
+            return await run_script(client, dialect, s, t0, clock, sleep, trajectory=f"{workload.name}/{s.name}")
         finally:
             done[s.name].set()
 

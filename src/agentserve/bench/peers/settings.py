@@ -12,7 +12,11 @@ from pathlib import Path
 import yaml
 
 DEFAULT_SETTINGS = Path(__file__).with_name("settings.yaml")
-ENGINES = ("agentserve", "vllm", "llama.cpp")
+ENGINES = ("agentserve", "vllm", "llama.cpp")  # the table's engines: `--engines`' default
+# Extra rows, run only when named: agentserve with the frozen flags of `agentserve` (unless
+# settings.yaml gives it its own), driven by a client that sends lifecycle hints (client.py)
+EXTRA_ENGINES = ("agentserve-events",)
+KNOWN_ENGINES = ENGINES + EXTRA_ENGINES
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +86,13 @@ def load_settings(path: Path = DEFAULT_SETTINGS) -> Settings:
     doc = yaml.safe_load(text)
     engines = {}
     for name, e in doc["engines"].items():
-        if name not in ENGINES:
-            raise ValueError(f"{path}: unknown engine {name!r}; known: {', '.join(ENGINES)}")
+        if name not in KNOWN_ENGINES:
+            raise ValueError(f"{path}: unknown engine {name!r}; known: {', '.join(KNOWN_ENGINES)}")
         engines[name] = EngineSettings(name, tuple(str(a) for a in e.get("args", ())),
                                        tuple(sorted((k, str(v)) for k, v in (e.get("env") or {}).items())),
                                        tuple(e.get("preload", ())))
+    if "agentserve" in engines and "agentserve-events" not in engines:
+        engines["agentserve-events"] = replace(engines["agentserve"], name="agentserve-events")
     groups = tuple(Group(n, int(g["kv_tokens"]), int(g["max_model_len"]), tuple(g["workloads"]),
                          tuple(g.get("extra") or ()))
                    for n, g in doc["groups"].items())
