@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from agentserve.bench.peers.engines import EngineFailed, Launch, port_in_use, serve, server_env
+from agentserve.bench.peers.engines import EngineFailed, Launch, command, port_in_use, serve, server_env
+from agentserve.bench.peers.install import Installed
+from agentserve.bench.peers.settings import ENGINES, load_settings
 from agentserve.bench.served import free_port
 
 FAKE = Path(__file__).with_name("fake_peer.py")
@@ -82,10 +84,6 @@ def test_the_harness_thread_settings_do_not_reach_a_server() -> None:
 
 
 def test_the_events_row_is_the_same_agentserve_server_with_the_events_client() -> None:
-    from agentserve.bench.peers.engines import command
-    from agentserve.bench.peers.install import Installed
-    from agentserve.bench.peers.settings import ENGINES, load_settings
-
     s = load_settings()
     assert "agentserve-events" not in ENGINES  # never in the default table: an extra row, run when named
     inst = Installed("agentserve", True)

@@ -25,7 +25,7 @@ import httpx
 
 from agentserve import omp_env
 from agentserve.bench.peers.install import Installed
-from agentserve.bench.peers.settings import EngineSettings, Group, Settings
+from agentserve.bench.peers.settings import EVENTS_ENGINE, EngineSettings, Group, Settings
 
 GIB = 1 << 30
 
@@ -75,11 +75,11 @@ def port_in_use(port: int) -> bool:
 def command(e: EngineSettings, inst: Installed, settings: Settings, group: Group, port: int) -> Launch:
     kv_bytes = settings.kv_bytes(group.kv_tokens)
     name = settings.model
-    if e.name in ("agentserve", "agentserve-events"):  # the same server; the client tells them apart
+    if e.name in ("agentserve", EVENTS_ENGINE):  # the same server; the client tells them apart
         argv = (sys.executable, "-m", "agentserve.cli", "serve", "--model", name, "--host", "127.0.0.1",
                 "--port", str(port), "--kv-cache-memory-gib", f"{kv_bytes / GIB:.6f}",
                 "--max-model-len", str(group.max_model_len), *e.args)
-        return Launch(e.name, argv, e.env, port, "openai-events" if e.name == "agentserve-events" else "openai")
+        return Launch(e.name, argv, e.env, port, "openai-events" if e.name == EVENTS_ENGINE else "openai")
     if e.name == "vllm":
         preload = ":".join(inst.preload[p] for p in e.preload if p in inst.preload)
         argv = (inst.python, "-m", "vllm.entrypoints.openai.api_server", "--model", inst.model_dir,

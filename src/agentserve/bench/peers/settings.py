@@ -15,7 +15,8 @@ DEFAULT_SETTINGS = Path(__file__).with_name("settings.yaml")
 ENGINES = ("agentserve", "vllm", "llama.cpp")  # the table's engines: `--engines`' default
 # Extra rows, run only when named: agentserve with the frozen flags of `agentserve` (unless
 # settings.yaml gives it its own), driven by a client that sends lifecycle hints (client.py)
-EXTRA_ENGINES = ("agentserve-events",)
+EVENTS_ENGINE = "agentserve-events"
+EXTRA_ENGINES = (EVENTS_ENGINE,)
 KNOWN_ENGINES = ENGINES + EXTRA_ENGINES
 
 
@@ -91,8 +92,8 @@ def load_settings(path: Path = DEFAULT_SETTINGS) -> Settings:
         engines[name] = EngineSettings(name, tuple(str(a) for a in e.get("args", ())),
                                        tuple(sorted((k, str(v)) for k, v in (e.get("env") or {}).items())),
                                        tuple(e.get("preload", ())))
-    if "agentserve" in engines and "agentserve-events" not in engines:
-        engines["agentserve-events"] = replace(engines["agentserve"], name="agentserve-events")
+    if "agentserve" in engines and EVENTS_ENGINE not in engines:
+        engines[EVENTS_ENGINE] = replace(engines["agentserve"], name=EVENTS_ENGINE)
     groups = tuple(Group(n, int(g["kv_tokens"]), int(g["max_model_len"]), tuple(g["workloads"]),
                          tuple(g.get("extra") or ()))
                    for n, g in doc["groups"].items())
