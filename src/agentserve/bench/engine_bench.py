@@ -59,13 +59,16 @@ def run_bench(model: str, dtype: str, cache_root, prompt_len: int = 1000, decode
 
     hf_prefill = best_of(repeats, lambda: hf.prefill_s(long_prompt))
     our_prefill = best_of(repeats, ours_prefill)
-    # decode time = generate(n) - prefill (generate(1)) on the same prompt, each the fastest of
-    # its repeats (the fastest of differences could pair a disturbed generate(1) with a quiet
-    # generate(n) and come out below the decode time, or negative on a short run)
-    hf_dec1 = (best_of(repeats, lambda: hf.generate_s(short[0], decode_tokens))
-               - best_of(repeats, lambda: hf.generate_s(short[0], 1)))
+    def hf_decode_s(prompt: list[int], n: int) -> float:
+        # decode time = generate(n) - prefill (generate(1)) on the same prompt, each the fastest
+        # of its n repeats (the fastest of differences could pair a disturbed generate(1) with a
+        # quiet generate(n) and come out below the decode time, or negative on a short run)
+        return (best_of(n, lambda: hf.generate_s(prompt, decode_tokens))
+                - best_of(n, lambda: hf.generate_s(prompt, 1)))
+
+    hf_dec1 = hf_decode_s(short[0], repeats)
     our_dec1 = best_of(repeats, ours_decode(short[:1]))
-    hf_seq = best_of(1, lambda: sum(hf.generate_s(p, decode_tokens) - hf.generate_s(p, 1) for p in short))
+    hf_seq = sum(hf_decode_s(p, 1) for p in short)
     our_conc = best_of(repeats, ours_decode(short))
     n_dec = decode_tokens - 1
     computed = str(llm.runner.model.compute_dtype).removeprefix("torch.")  # our ceiling: fp32 where bf16 widens
