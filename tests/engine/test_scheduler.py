@@ -253,3 +253,45 @@ def test_protective_admission_leaves_protected_prefixes_to_the_earliest_request(
     out = drain(engine)  # everything still finishes
     finished |= {rid for rid, outs in out.items() if outs[-1].finished}
     assert {a, b} <= finished
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefix_match_of_a_waiting_request_follows_evictions_and_publishes(seed):
+    """The scheduler re-matches a waiting request every step, starting after the prefix it
+    found last time while nothing has been evicted since (Request.match_memo). Against a naive
+    match over the pool's index, after random publishes, frees and evicting allocations."""
+    import random
+
+    from agentserve.engine.request import Request, RequestId
+    from agentserve.kv.hashing import ExtraKeys
+
+    rng = random.Random(seed)
+    bs, pool = 4, BlockPool(12, 4)
+    cfg = SchedulerConfig(max_model_len=200, block_size=bs, max_num_seqs=8, max_num_batched_tokens=16)
+    sched = Scheduler(cfg, pool)
+    tokens = [rng.randrange(1000) for _ in range(10 * bs + 1)]
+    req = Request(RequestId("w"), tokens, len(tokens), SamplingParams(max_tokens=1), ExtraKeys("m", None), 0.0)
+    held: list[list[int]] = []
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.45:  # another request computes and publishes some of this prompt's blocks
+            first = rng.randrange(10)
+            n = min(rng.randint(1, 3), 10 - first, pool.num_free_blocks)
+            if n:
+                ids = pool.allocate(n)
+                for b, h in zip(ids, req.block_hashes[first : first + n] or [None] * n):
+                    if h is not None:
+                        pool.insert(b, h)
+                held.append(ids)
+        elif op < 0.75 and held:
+            pool.free(held.pop(rng.randrange(len(held))))
+        elif pool.num_free_blocks:  # an allocation that may evict cached blocks
+            held.append(pool.allocate(rng.randint(1, pool.num_free_blocks)))
+        matched, _ = sched._match(req)
+        naive = []
+        for h in req.block_hashes[: (len(tokens) - 1) // bs]:
+            if h not in pool.index:
+                break
+            naive.append(pool.index[h])
+        assert matched == naive
+        pool.check()
