@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from agentserve.config import SchedulerConfig
 from agentserve.engine.engine import Engine, RunResult
-from agentserve.engine.request import FinishReason, SamplingParams
+from agentserve.engine.request import FinishReason, Request, RequestId, SamplingParams
 from agentserve.engine.scheduler import Batch, Scheduler
 from agentserve.kv.block_pool import BlockPool, LruEviction
+from agentserve.kv.hashing import ExtraKeys
 
 
 class FakeRunner:
@@ -260,17 +263,13 @@ def test_prefix_match_of_a_waiting_request_follows_evictions_and_publishes(seed)
     """The scheduler re-matches a waiting request every step, starting after the prefix it
     found last time while nothing has been evicted since (Request.match_memo). Against a naive
     match over the pool's index, after random publishes, frees and evicting allocations."""
-    import random
-
-    from agentserve.engine.request import Request, RequestId
-    from agentserve.kv.hashing import ExtraKeys
-
     rng = random.Random(seed)
     bs, pool = 4, BlockPool(12, 4)
     cfg = SchedulerConfig(max_model_len=200, block_size=bs, max_num_seqs=8, max_num_batched_tokens=16)
     sched = Scheduler(cfg, pool)
     tokens = [rng.randrange(1000) for _ in range(10 * bs + 1)]
     req = Request(RequestId("w"), tokens, len(tokens), SamplingParams(max_tokens=1), ExtraKeys("m", None), 0.0)
+    sched._match(req)  # hashes its 10 full blocks
     held: list[list[int]] = []
     for _ in range(300):
         op = rng.random()
@@ -279,9 +278,8 @@ def test_prefix_match_of_a_waiting_request_follows_evictions_and_publishes(seed)
             n = min(rng.randint(1, 3), 10 - first, pool.num_free_blocks)
             if n:
                 ids = pool.allocate(n)
-                for b, h in zip(ids, req.block_hashes[first : first + n] or [None] * n):
-                    if h is not None:
-                        pool.insert(b, h)
+                for b, h in zip(ids, req.block_hashes[first : first + n]):
+                    pool.insert(b, h)
                 held.append(ids)
         elif op < 0.75 and held:
             pool.free(held.pop(rng.randrange(len(held))))

@@ -59,12 +59,12 @@ def run_bench(model: str, dtype: str, cache_root, prompt_len: int = 1000, decode
 
     hf_prefill = best_of(repeats, lambda: hf.prefill_s(long_prompt))
     our_prefill = best_of(repeats, ours_prefill)
-    def hf_decode_s(prompt: list[int], n: int) -> float:
+    def hf_decode_s(prompt: list[int], tries: int) -> float:
         # decode time = generate(n) - prefill (generate(1)) on the same prompt, each the fastest
-        # of its n repeats (the fastest of differences could pair a disturbed generate(1) with a
+        # of its tries (the fastest of differences could pair a disturbed generate(1) with a
         # quiet generate(n) and come out below the decode time, or negative on a short run)
-        return (best_of(n, lambda: hf.generate_s(prompt, decode_tokens))
-                - best_of(n, lambda: hf.generate_s(prompt, 1)))
+        return (best_of(tries, lambda: hf.generate_s(prompt, decode_tokens))
+                - best_of(tries, lambda: hf.generate_s(prompt, 1)))
 
     hf_dec1 = hf_decode_s(short[0], repeats)
     our_dec1 = best_of(repeats, ours_decode(short[:1]))

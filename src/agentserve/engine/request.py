@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NewType, Protocol, overload
 
-from agentserve.kv.block_pool import BlockId, BlockPool
+from agentserve.kv.block_pool import BlockId
 from agentserve.kv.hashing import BlockHash, ExtraKeys
 
 RequestId = NewType("RequestId", str)
@@ -138,12 +138,11 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None  # why it failed, with finish_reason ERROR
     final_block_hashes: tuple[BlockHash, ...] = ()  # once finished: its published blocks, in order
-    # Its last prefix match: the pool, the pool's eviction count then, the device blocks. While
-    # no block of that pool has been evicted since, that prefix is still cached in the same
-    # blocks (only an eviction drops a hash, and block_hashes only grows), so the next match
-    # starts after it.
-    match_memo: tuple[BlockPool, int, tuple[BlockId, ...]] | None = field(
-        default=None, repr=False, compare=False)
+    # Its last prefix match in its scheduler's pool: the pool's eviction count then and the
+    # device blocks. While no block has been evicted since, that prefix is still cached in the
+    # same blocks (only an eviction drops a hash, and block_hashes only grows), so the next
+    # match starts after it.
+    match_memo: tuple[int, tuple[BlockId, ...]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:

@@ -436,15 +436,14 @@ class Scheduler:
         bs = self.pool.block_size
         extend_block_hashes(request.block_hashes, request.token_ids, bs, request.extra_keys)
         max_blocks, pool, memo = (request.num_tokens - 1) // bs, self.pool, request.match_memo
-        if (memo is not None and memo[0] is pool and memo[1] == pool.num_evictions
-                and len(memo[2]) <= max_blocks):
+        if memo is not None and memo[0] == pool.num_evictions and len(memo[1]) <= max_blocks:
             # (a waiting request is matched again at every step it waits: the prefix found last
             # time is still there, only what follows it can have been published since)
-            known = memo[2]
+            known = memo[1]
             matched = [*known, *pool.match_prefix(request.block_hashes[len(known) : max_blocks])]
         else:
             matched = pool.match_prefix(request.block_hashes[:max_blocks])
-        request.match_memo = (pool, pool.num_evictions, tuple(matched))
+        request.match_memo = (pool.num_evictions, tuple(matched))
         if self.lower is None or len(matched) == max_blocks:
             return matched, 0
         return matched, self.lower.match(request.block_hashes[len(matched) : max_blocks])
