@@ -210,8 +210,8 @@ class ProtectingEviction(LruEviction):
     def protects(self, block_id) -> bool:
         return self.hash_of[block_id] in self.keep
 
-    def count_protected(self, block_ids) -> int:
-        return sum(1 for b in block_ids if b in self._order and self.protects(b))
+    def count_unprotected(self, block_ids) -> int:
+        return sum(1 for b in block_ids if b in self._order and not self.protects(b))
 
     @property
     def num_unprotected(self) -> int:

@@ -136,6 +136,12 @@ def test_past_the_budget_the_least_valuable_protected_blocks_go_before_unprotect
     pool.check()
 
 
+def unprotected_free(pool, res) -> list[int]:
+    """By definition: free, cached, and no protected trajectory holds its hash."""
+    return [b for b in range(pool.num_blocks) if pool.ref_count(b) == 0 and pool.block_hash(b) is not None
+            and pool.block_hash(b) not in res.holders]
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.sampled_from(["tool", "human", "end", "gap"])),
                 min_size=1, max_size=40))
@@ -164,15 +170,18 @@ def test_allocation_never_fails_while_free_blocks_exist(ops):
         for b, h in zip(blocks[len(hit):], hashes[len(hit):]):
             pool.insert(b, h)
         res.on_response(key(f"t{who}"), hashes, state, what)
+        assert pool.count_unprotected(range(pool.num_blocks)) == len(unprotected_free(pool, res))
         pool.free(blocks)
         pool.check()
         assert len(ev) == pool.num_free_blocks - len(pool._uncached)
         assert pool.num_free_blocks == pool.num_blocks
         # what protective admission reads: taking the unprotected count evicts no protected
         # block, except those past the budget (which the order takes first)
-        protected = [pool.block_hash(b) for b in range(pool.num_blocks) if ev.count_protected([b])]
+        protected = [pool.block_hash(b) for b in range(pool.num_blocks)
+                     if pool.block_hash(b) is not None and not ev.count_unprotected([b])]  # all free here
         every = list(range(pool.num_blocks))
-        assert pool.count_free(every) - pool.count_protected(every) == pool.num_blocks - len(protected)
+        assert pool.count_unprotected(every) == len(unprotected_free(pool, res)) \
+            == pool.num_blocks - len(pool._uncached) - len(protected)
         taken = pool.allocate(pool.num_unprotected_free_blocks)
         lost = [h for h in protected if h not in pool.index]
         assert len(lost) == max(0, len(protected) - int(0.9 * pool.num_blocks))

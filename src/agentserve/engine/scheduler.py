@@ -373,7 +373,7 @@ class Scheduler:
         free = self.pool.num_free_blocks - hit
         if need > free or not self._protective():
             return need <= free
-        unprotected = self.pool.num_unprotected_free_blocks - (hit - self.pool.count_protected(matched))
+        unprotected = self.pool.num_unprotected_free_blocks - self.pool.count_unprotected(matched)
         return need <= unprotected
 
     def _in_flight(self) -> set[BlockHash]:

@@ -59,9 +59,10 @@ class EvictionPolicy(Protocol):
         policy that protects none)."""
         ...
 
-    def count_protected(self, block_ids: Sequence[BlockId]) -> int:
-        """How many of these blocks are free, cached and protected by the policy now (one call
-        per admission check: a set intersection, not a call per block)."""
+    def count_unprotected(self, block_ids: Sequence[BlockId]) -> int:
+        """How many of these blocks are free, cached and unprotected by the policy now: what a
+        hit on them takes from `num_unprotected` (one call per admission check, a C-level pass,
+        not a call per block)."""
         ...
 
 
@@ -97,8 +98,8 @@ class LruEviction:
     def num_unprotected(self) -> int:
         return len(self._order)
 
-    def count_protected(self, block_ids: Sequence[BlockId]) -> int:
-        return 0
+    def count_unprotected(self, block_ids: Sequence[BlockId]) -> int:
+        return len(self._order.keys() & block_ids)
 
 
 class BlockPool:
@@ -154,9 +155,9 @@ class BlockPool:
         (a paused or returned trajectory's, under `--residency on`): all free blocks under LRU."""
         return len(self._uncached) + self._evictable.num_unprotected
 
-    def count_protected(self, block_ids: Sequence[BlockId]) -> int:
-        """How many of these blocks are free and protected by the eviction policy."""
-        return self._evictable.count_protected(block_ids)
+    def count_unprotected(self, block_ids: Sequence[BlockId]) -> int:
+        """How many of these cached blocks are free and unprotected by the eviction policy."""
+        return self._evictable.count_unprotected(block_ids)
 
     def count_free(self, block_ids: Sequence[BlockId]) -> int:
         """How many of these blocks are free (a hit on them takes them off the free list)."""

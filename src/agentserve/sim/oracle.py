@@ -248,8 +248,8 @@ class BeladyEviction:
     def num_unprotected(self) -> int:  # an oracle protects nothing: it only orders
         return len(self)
 
-    def count_protected(self, block_ids: Sequence[BlockId]) -> int:
-        return 0
+    def count_unprotected(self, block_ids: Sequence[BlockId]) -> int:  # every free one
+        return len(self._live.keys() & block_ids) + len(self._pending.keys() & block_ids)
 
     def pop(self, n: int) -> list[BlockId]:
         self._flush()

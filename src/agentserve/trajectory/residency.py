@@ -908,7 +908,7 @@ class AgentEviction:
             held.update(moved)
             return
         if not any(now_held):  # released, nothing shared with another: held ones go to lru in order
-            moved = [b for b in map(index.get, hashes) if b in held]
+            moved = list(filter(held.__contains__, map(index.get, hashes)))  # (None: not cached)
             held.difference_update(moved)
             for b in moved:
                 lru[b] = None
@@ -937,8 +937,10 @@ class AgentEviction:
         """Unprotected free blocks, plus the protected ones past the budget."""
         return len(self._lru) + self._over_budget()
 
-    def count_protected(self, block_ids: Sequence[BlockId]) -> int:
-        return len(self._held.intersection(block_ids))  # _held: free blocks only
+    def count_unprotected(self, block_ids: Sequence[BlockId]) -> int:
+        # (a returning trajectory's matched blocks are mostly held: the intersection with the
+        # few unprotected ones builds a small set, where one with _held built a large one)
+        return len(self._lru.keys() & block_ids)
 
     def pop(self, n: int) -> list[BlockId]:
         res = self.residency
