@@ -370,10 +370,13 @@ class Scheduler:
         """Whether `need` new blocks can be admitted beside this device prefix, `hit` of whose
         blocks are free (taken, not evicted): free blocks enough, and under protective admission
         enough that taking them evicts no protected block."""
-        free = self.pool.num_free_blocks - hit
-        if need > free or not self._protective():
+        pool = self.pool
+        free = pool.num_free_blocks - hit
+        unprotected_free = pool.num_unprotected_free_blocks
+        if need > free or not self._protective() or unprotected_free == pool.num_free_blocks:
+            # (every free block unprotected, as under LRU: the hit ones too, so the rule is `free`)
             return need <= free
-        unprotected = self.pool.num_unprotected_free_blocks - self.pool.count_unprotected(matched)
+        unprotected = unprotected_free - pool.count_unprotected(matched)
         return need <= unprotected
 
     def _in_flight(self) -> set[BlockHash]:
