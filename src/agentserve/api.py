@@ -74,6 +74,7 @@ class LLM:
         ledger: bool = True,
         compute_dtype: str = "auto",
         admission: str = "auto",
+        join_rows: int | None = None,
     ) -> None:
         """cpu_kernels: on CPU, build and use the C++ decode-attention kernel (model/csrc/)
         where a compiler is available; False keeps torch's SDPA. residency: off | shadow | on
@@ -83,7 +84,9 @@ class LLM:
         activations are computed in (model/precision.py: auto computes a bf16 model in fp32,
         weights and KV kept in bf16, on a CPU without a bf16 dot product). admission: auto |
         eager | protective (SchedulerConfig.protect_on_admission; auto: protective with
-        residency on)."""
+        residency on). join_rows: SchedulerConfig.join_rows; None: 2 where a bf16 model is
+        computed in fp32 (its decode steps are bound by arithmetic, so each joining row costs
+        the running streams), else 0."""
         if admission not in ADMISSIONS:
             raise ValueError(f"admission {admission!r} not supported; use one of {', '.join(ADMISSIONS)}")
         if residency != "off" and not enable_prefix_caching:
@@ -113,6 +116,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             eos_token_ids=self.model_config.eos_token_ids,
             protect_on_admission=protective_admission(admission, residency == "on"),
+            join_rows=join_rows if join_rows is not None else (2 if self.runner.model.widened else 0),
         )
         self.residency_mode = residency
         clock = time.monotonic  # the engine's clock too

@@ -39,6 +39,16 @@ class SchedulerConfig:
     # does, so the second running request is worth the prefixes it may evict (cc-c8: a floor of
     # 1 measured JCT p50 66 s, 2 59-61 s, 4 70 s, eager admission 73 s).
     protective_floor: int = 2
+    # While a running request decodes, a prompt remainder of at most `join_short` tokens (a
+    # turn's last piece over a cached prefix: it rides the decode group, one row per token)
+    # computes at most this many tokens per step, except the earliest request's (0: all at
+    # once). Where the decode step is bound by arithmetic rather than memory (bf16 weights
+    # computed in fp32 on a CPU without a bf16 dot product) every extra row lengthens the step
+    # that all running streams wait for: on a Zen 3, 4 decodes took ~32 ms a step and the step
+    # that admitted 6 such rows 1.35-1.9x that; at 2 rows a step the spike went (the joining
+    # request's first token comes 2 steps later). docs/benchmarks.md, "A joining request's rows".
+    join_rows: int = 0
+    join_short: int = 16
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -46,6 +56,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.protective_floor < 1:
             raise ValueError(f"protective_floor must be >= 1, got {self.protective_floor}")
+        if self.join_rows < 0 or self.join_short < 0:
+            raise ValueError(f"join_rows and join_short must be >= 0, got {self.join_rows}, {self.join_short}")
         if self.admission_lookahead < 0:
             raise ValueError(f"admission_lookahead must be >= 0, got {self.admission_lookahead}")
 

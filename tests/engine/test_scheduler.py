@@ -25,11 +25,11 @@ class FakeRunner:
         return RunResult({c.request_id: (c.token_ids[-1] + 1) % 1000 for c in batch.chunks if c.sample})
 
 
-def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, caching=True, eos=(999,)):
+def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, caching=True, eos=(999,), join_rows=0):
     runner = FakeRunner()
     cfg = SchedulerConfig(max_model_len=200, block_size=block_size, max_num_seqs=max_seqs,
                           max_num_batched_tokens=budget, enable_prefix_caching=caching,
-                          eos_token_ids=eos)
+                          eos_token_ids=eos, join_rows=join_rows)
     clock = iter(range(10**6)).__next__
     engine = Engine(Scheduler(cfg, BlockPool(num_blocks, block_size)), runner, "fake", 1000,
                     clock=lambda: float(clock()))
@@ -293,3 +293,46 @@ def test_prefix_match_of_a_waiting_request_follows_evictions_and_publishes(seed)
             naive.append(pool.index[h])
         assert matched == naive
         pool.check()
+
+
+def _join_chunks(join_rows: int, remainder: int) -> list[int]:
+    """Two requests decode; a third whose prompt is cached but for `remainder` tokens joins:
+    the sizes of its chunks, step by step."""
+    engine, runner = make(budget=64, join_rows=join_rows)
+    first = engine.add(list(range(10)), SamplingParams(max_tokens=40))
+    engine.add(list(range(50, 60)), SamplingParams(max_tokens=40))
+    prefix = list(range(200, 216))  # 4 full blocks of 4
+    engine.add(prefix + [1], SamplingParams(max_tokens=1))
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.requests[first].num_output_tokens >= 2  # decoding
+    late = engine.add(prefix + list(range(300, 300 + remainder)), SamplingParams(max_tokens=1))
+    seen = len(runner.batches)
+    while late in engine.scheduler.requests:
+        engine.step()
+        engine.scheduler.pool.check()
+    return [len(c.token_ids) for b in runner.batches[seen:] for c in b.chunks if c.request_id == late]
+
+
+def test_a_short_remainder_joining_decodes_is_spread_over_steps():
+    assert _join_chunks(0, 6) == [6]  # off: all at once
+    assert _join_chunks(2, 6) == [2, 2, 2]
+    assert _join_chunks(2, 5) == [2, 2, 1]
+    assert _join_chunks(2, 2) == [2]
+    assert _join_chunks(2, 20) == [20]  # longer than join_short: an ordinary chunk
+
+
+def test_the_earliest_request_is_never_spread():
+    engine, runner = make(budget=64, join_rows=2)
+    prefix = list(range(200, 216))
+    engine.add(prefix + [1], SamplingParams(max_tokens=1))
+    drain(engine)  # the prefix is cached, nothing runs
+    late = engine.add(prefix + list(range(300, 306)), SamplingParams(max_tokens=3))
+    engine.add(list(range(10)), SamplingParams(max_tokens=3))  # arrives after it
+    engine.step()
+    assert [len(c.token_ids) for c in runner.batches[-1].chunks if c.request_id == late] == [6]
+
+
+def test_join_rows_must_not_be_negative():
+    with pytest.raises(ValueError, match="join_rows"):
+        SchedulerConfig(max_model_len=8, join_rows=-1)

@@ -50,6 +50,8 @@ class Setup:
     caching: bool
     lookahead: int
     arrivals: tuple[Arrival, ...]
+    join_rows: int = 0
+    join_short: int = 16
 
 
 @st.composite
@@ -64,7 +66,8 @@ def setups(draw: st.DrawFn, max_requests: int = 8) -> Setup:
         abort_after=st.none() | st.integers(0, 20)), min_size=1, max_size=max_requests))
     return Setup(bs, num_blocks, max_model_len, draw(st.integers(1, 40)), draw(st.integers(1, 6)),
                  draw(st.booleans()), draw(st.sampled_from([0, 2])),
-                 tuple(sorted(arrivals, key=lambda a: a.step)))
+                 tuple(sorted(arrivals, key=lambda a: a.step)),
+                 draw(st.sampled_from([0, 1, 2])), draw(st.sampled_from([0, 4, 16])))
 
 
 def prompt(a: Arrival, index: int) -> list[int]:
@@ -97,7 +100,8 @@ class Run:
 def simulate(s: Setup) -> Run:
     cfg = SchedulerConfig(max_model_len=s.max_model_len, block_size=s.block_size,
                           max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.budget,
-                          enable_prefix_caching=s.caching, admission_lookahead=s.lookahead)
+                          enable_prefix_caching=s.caching, admission_lookahead=s.lookahead,
+                          join_rows=s.join_rows, join_short=s.join_short)
     pool = BlockPool(s.num_blocks, s.block_size)
     sch = Scheduler(cfg, pool)
     run = Run({}, {}, [], 0)

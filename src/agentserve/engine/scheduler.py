@@ -141,6 +141,7 @@ class Scheduler:
         self._finished: list[RequestId] = []
         self._next_priority = 0
         self.observer: SchedulerObserver | None = None
+        self._decoding = False  # this step: join_rows is on and a running request decodes
 
     # ── admission and removal ─────────────────────────────────────────────────────────────
     def max_sequence_blocks(self, request: Request) -> int:
@@ -242,13 +243,15 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preemptions: list[Preemption] = []
         self._admit_earliest(preemptions)
+        self._decoding = self.config.join_rows > 0 and any(
+            r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if request.status is RequestStatus.LOADING:  # its blocks are being read from disk
                 i += 1
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._joining(request, min(request.num_tokens - request.num_computed_tokens, budget))
             if not self._grow(request, n, preemptions):
                 continue  # request itself was preempted; running[i] is now the next one
             chunks.append(self._chunk(request, n, now))
@@ -356,8 +359,22 @@ class Scheduler:
         under `budget` with `reach` blocks of its prefix reusable, the first num_matched of them
         in the pool (the others are restored from a lower tier into new blocks)."""
         computed = reach * self.pool.block_size
-        n = min(request.num_tokens - computed, budget)
+        n = self._joining(request, min(request.num_tokens - computed, budget))
         return computed, n, _cdiv(computed + n, self.pool.block_size) - num_matched
+
+    def _joining(self, request: Request, n: int) -> int:
+        """The tokens of a short prompt remainder to compute this step (SchedulerConfig.join_rows):
+        spread while others decode, so the step they wait for grows by a few rows, not all of
+        them. Never the earliest request's: it advances as it would alone (module docstring)."""
+        cfg = self.config
+        if not self._decoding or n <= cfg.join_rows or n > cfg.join_short or request is self._earliest():
+            return n
+        return cfg.join_rows
+
+    def _earliest(self) -> Request | None:
+        """The earliest unfinished request (both lists are in priority order)."""
+        heads = [q[0] for q in (self.running, self.waiting) if q]
+        return min(heads, key=_priority, default=None)
 
     def _protective(self) -> bool:
         """Whether admission now must leave protected blocks alone: with protect_on_admission,

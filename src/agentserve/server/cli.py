@@ -37,7 +37,8 @@ def build_state(args: argparse.Namespace):
                   kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
                   device=args.device, cache_root=args.cache_root, cpu_kernels=not args.no_cpu_kernels,
                   residency=args.residency, tiers=tier_config(args), ledger=not args.no_ledger,
-                  compute_dtype=args.compute_dtype, admission=args.admission)
+                  compute_dtype=args.compute_dtype, admission=args.admission,
+                  join_rows=args.join_rows)
     except ModelLoadError as exc:  # an unknown name or a broken directory: the message says what is expected
         raise SystemExit(f"agentserve serve: --model: {exc}") from None
     if llm.runner.guided is not None:
@@ -175,6 +176,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="waiting requests after the earliest: eager = admitted while free blocks last; "
                         "protective = only into blocks whose taking evicts no protected trajectory's "
                         "prefix; auto = protective with --residency on, else eager")
+    p.add_argument("--join-rows", type=int, default=None, metavar="N",
+                   help="while requests decode, a short prompt remainder (up to 16 tokens) computes at most N "
+                        "tokens a step, so the streams' step grows by N rows (0: all at once; default: 2 where "
+                        "a bf16 model is computed in fp32, else 0)")
     t = p.add_argument_group("KV tiers (docs/tiers.md)")
     t.add_argument("--kv-host-gib", type=float, default=0.0,
                    help="host-memory tier for blocks evicted from the pool (0: none)")
