@@ -46,7 +46,7 @@ class SchedulerConfig:
     # computed in fp32 on a CPU without a bf16 dot product) every extra row lengthens the step
     # that all running streams wait for: on a Zen 3, 4 decodes took ~32 ms a step and the step
     # that admitted 6 such rows 1.35-1.9x that; at 2 rows a step the spike went (the joining
-    # request's first token comes 2 steps later). docs/benchmarks.md, "A joining request's rows".
+    # request's first token comes 2 steps later). docs/benchmarks.md, issue 9's grammar runs, run 16.
     join_rows: int = 0
     join_short: int = 16
 

@@ -336,3 +336,13 @@ def test_the_earliest_request_is_never_spread():
 def test_join_rows_must_not_be_negative():
     with pytest.raises(ValueError, match="join_rows"):
         SchedulerConfig(max_model_len=8, join_rows=-1)
+
+
+def test_serve_rejects_a_negative_join_rows_at_the_door(capsys):
+    from agentserve.cli import build_parser
+
+    argv = ["serve", "--join-rows", "-1"]
+    with pytest.raises(SystemExit) as exc:
+        build_parser(argv).parse_args(argv)
+    assert exc.value.code == 2 and "--join-rows: must be >= 0" in capsys.readouterr().err
+    assert build_parser(["serve"]).parse_args(["serve", "--join-rows", "3"]).join_rows == 3

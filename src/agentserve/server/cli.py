@@ -69,6 +69,17 @@ def ledger_options(args: argparse.Namespace):
                          prices=load_prices(args.prices), text_window=args.ledger_text_window)
 
 
+def _non_negative(text: str) -> int:
+    """An argparse type: an int >= 0 (a bad value is a usage error naming the flag, not a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def tier_config(args: argparse.Namespace) -> TierConfig:
     """The lower KV tiers from the flags; the key from --kv-key, else AGENTSERVE_KV_KEY, else
     the generated key file (outside the store directory)."""
@@ -176,7 +187,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="waiting requests after the earliest: eager = admitted while free blocks last; "
                         "protective = only into blocks whose taking evicts no protected trajectory's "
                         "prefix; auto = protective with --residency on, else eager")
-    p.add_argument("--join-rows", type=int, default=None, metavar="N",
+    p.add_argument("--join-rows", type=_non_negative, default=None, metavar="N",
                    help="while requests decode, a short prompt remainder (up to 16 tokens) computes at most N "
                         "tokens a step, so the streams' step grows by N rows (0: all at once; default: 2 where "
                         "a bf16 model is computed in fp32, else 0)")
