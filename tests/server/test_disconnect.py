@@ -39,8 +39,8 @@ def first_token_seen(state) -> bool:
     return any(r.first_token_time is not None for r in state.llm.engine.scheduler.requests.values())
 
 
-def long_prompt(n: int = 300) -> str:
-    return " ".join(f"word{i}" for i in range(n))
+def long_prompt(n: int = 300, salt: str = "") -> str:
+    return " ".join([salt, *(f"word{i}" for i in range(n))]).lstrip()
 
 
 CASES = {
@@ -57,23 +57,31 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_disconnect_aborts_and_frees_blocks(smol_llm, case):
     path, extra, when = CASES[case]
+    # A prompt of its own: one another case left in the prefix cache would be a one-step prefill,
+    # and "before its first token" would be a race with that step.
+    prompt = long_prompt(salt=f"{case}:")
     if path == "/v1/chat/completions":
-        body = {"model": M, "messages": [{"role": "user", "content": long_prompt()}]}
+        body = {"model": M, "messages": [{"role": "user", "content": prompt}]}
     else:
-        body = {"model": M, "prompt": long_prompt()}
+        body = {"model": M, "prompt": prompt}
     body |= {"max_tokens": 2000, "min_tokens": 2000, "ignore_eos": True, **extra}
     with http_server(smol_llm) as (url, state):
         port = int(url.rsplit(":", 1)[1])
         sock = socket.create_connection(("127.0.0.1", port))
-        sock.sendall(request_bytes(path, body, port))
-        if when == "admitted":
-            wait_for(lambda: state.llm.engine.scheduler.requests, "the request never reached the engine")
-            assert not first_token_seen(state)
-        else:
-            wait_for(lambda: first_token_seen(state), "no token was generated")
-            time.sleep(0.3)
-        assert state.llm.engine.scheduler.pool.stats().num_used > 0
-        sock.close()
+        try:
+            sock.sendall(request_bytes(path, body, port))
+            # (the scheduler allocates its blocks in the step after the engine takes it)
+            holds_blocks = lambda: state.llm.engine.scheduler.pool.stats().num_used > 0  # noqa: E731
+            if when == "admitted":
+                wait_for(lambda: state.llm.engine.scheduler.requests and holds_blocks(),
+                         "the request never reached the engine")
+                assert not first_token_seen(state)
+            else:
+                wait_for(lambda: first_token_seen(state), "no token was generated")
+                time.sleep(0.3)
+                assert holds_blocks()
+        finally:
+            sock.close()  # (a failed check above then fails alone: the server still drains)
         wait_for(lambda: engine_idle(state), "blocks not freed after the client went away", 20)
 
 
