@@ -51,6 +51,28 @@ def test_kernel_matches_fp64_reference(kernels, dtype, tol, dim, heads, kv_heads
     assert (out.double() - reference(q, k_cache, v_cache, slots, lengths, dim**-0.5)).abs().max() < tol
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("lengths", [[2000, 3, 1500, 1, 2500], [1], [1, 1, 1, 4000], [700, 700, 700, 700, 9]])
+def test_threads_split_by_keys_cover_every_sequence(kernels, threads, lengths):
+    """Tasks go to threads in runs of about equal keys, not of equal count: with long and short
+    sequences mixed, and more threads than tasks, every (sequence, head) is still computed once."""
+    gen = torch.Generator().manual_seed(len(lengths) * 31 + threads)
+    num_slots, kv_heads, heads, dim = 8192, 3, 9, 64
+    k_cache = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    lens = torch.tensor(lengths)
+    slots = torch.stack([torch.randperm(num_slots, generator=gen)[: max(lengths)] for _ in lengths])
+    q = 3 * torch.randn(len(lengths), heads, dim, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.decode_attention(q, k_cache, v_cache, slots, lens, dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    # (fp32 sums over up to 4k keys: a task never computed would be off by O(1))
+    assert (out.double() - reference(q, k_cache, v_cache, slots, lens, dim**-0.5)).abs().max() < 1e-5
+
+
 def test_bf16_decode_is_as_close_to_fp64_as_torch_sdpa(kernels):
     """bf16 decode goes through the prefill micro kernel (probabilities rounded to bf16 for
     PV, as torch's flash kernel does): its mean error from fp64 may not exceed SDPA's on the

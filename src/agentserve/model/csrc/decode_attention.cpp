@@ -25,6 +25,8 @@ constexpr float kMinusLarge = -1e30f;
 // scattered over the pool: the hardware prefetcher loses the stream at every block, and without
 // this the loads of K and V rows took ~45% of a decode call (perf, 4 x 8k contexts).
 constexpr int64_t kAhead = 16;
+// A task's fixed cost (its queries, the output, the setup), in keys' worth, for the partition.
+constexpr int64_t kTaskOverhead = 16;
 
 template <typename kv_t, int D>
 inline void prefetch_row(const kv_t* p) {
@@ -58,10 +60,32 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t* lp = lens.data_ptr<int64_t>();
   q_t* op = out.data_ptr<q_t>();
   const int64_t row = KVH * D;  // elements between consecutive slots
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  // Tasks go to threads in contiguous runs of about equal work (keys read), not of equal count:
+  // a task's cost is its sequence's length, and a batch mixes long contexts with short ones (a
+  // request joining long-running streams). By count, 4 sequences of 3k keys and a 5th of 60
+  // split 8 / 7 tasks over 2 threads, 2.67 sequences' reads against 1.33, and the step waited
+  // for the heavier thread. Each task goes to the run that holds its midpoint in the work's
+  // prefix sum, so runs are contiguous and each is off the even share by at most half a task.
+  const int64_t tasks = B * KVH;
+  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  std::vector<int64_t> first(runs + 1, tasks);  // run r computes tasks [first[r], first[r + 1])
+  {
+    double total = 0;
+    for (int64_t b = 0; b < B; ++b) total += static_cast<double>(KVH) * (lp[b] + kTaskOverhead);
+    double before = 0;
+    int64_t r = 0;
+    first[0] = 0;
+    for (int64_t task = 0; task < tasks; ++task) {
+      const double cost = lp[task / KVH] + kTaskOverhead;
+      const int64_t mine = std::min<int64_t>(runs - 1, static_cast<int64_t>((before + cost / 2) * runs / total));
+      while (r < mine) first[++r] = task;
+      before += cost;
+    }
+  }
+  at::parallel_for(0, runs, 1, [&](int64_t run_begin, int64_t run_end) {
     std::vector<float> qf(G * D), acc(G * D), s(G * kTile), m(G), l(G);
     alignas(64) float kv[D];
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = first[run_begin]; task < first[run_end]; ++task) {
       const int64_t b = task / KVH, h = task % KVH, n = lp[b];
       const int64_t* ctx = sp + b * L;
       for (int64_t g = 0; g < G; ++g)
