@@ -70,8 +70,9 @@ def test_disconnect_aborts_and_frees_blocks(smol_llm, case):
         sock = socket.create_connection(("127.0.0.1", port))
         try:
             sock.sendall(request_bytes(path, body, port))
-            # (the scheduler allocates its blocks in the step after the engine takes it)
-            holds_blocks = lambda: state.llm.engine.scheduler.pool.stats().num_used > 0  # noqa: E731
+            def holds_blocks() -> bool:  # (allocated in the step after the engine takes it)
+                return state.llm.engine.scheduler.pool.stats().num_used > 0
+
             if when == "admitted":
                 wait_for(lambda: state.llm.engine.scheduler.requests and holds_blocks(),
                          "the request never reached the engine")
