@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -164,3 +167,36 @@ def test_a_build_killed_half_way_does_not_wedge_the_next_start(kernels, caplog):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert not os.path.exists(stale) and "left by a build that was killed" in done.stderr
+
+
+PIN_SCRIPT = """
+import json, os, sys, torch
+from agentserve.model.cpu_kernels import load_cpu_kernels
+kernels = load_cpu_kernels()
+cpus = sorted(os.sched_getaffinity(0))[:2]
+torch.set_num_threads(2)
+first = kernels.bind_threads(cpus)
+after_first = [sorted(os.sched_getaffinity(t)) for t in first] if -1 not in first else None
+x = torch.randn(512, 512)
+for _ in range(20):
+    x = torch.tanh(x @ x / 512)  # torch's own parallel ops run on the same team
+again = kernels.bind_threads(list(reversed(cpus)))
+print(json.dumps({"pid": os.getpid(), "first": first, "again": again, "cpus": cpus,
+                  "after_first": after_first,
+                  "now": [sorted(os.sched_getaffinity(t)) for t in again] if -1 not in again else None}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="per-thread affinity on Linux, two CPUs")
+def test_bind_threads_pins_the_team_torch_runs_its_ops_on(kernels):
+    # In a child process: pinning this one's main thread would narrow every test after it.
+    out = subprocess.run([sys.executable, "-c", PIN_SCRIPT], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    a, b = r["cpus"]
+    assert r["first"][0] == r["pid"]  # member 0 is the calling (main) thread
+    assert r["after_first"] == [[a], [b]]
+    # the same two threads after torch's own parallel ops: the pool keeps its members
+    assert r["again"] == r["first"] and r["now"] == [[b], [a]]

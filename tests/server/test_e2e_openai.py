@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import sys
 import time
 
 import httpx
@@ -22,9 +24,14 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 @pytest.fixture(scope="module")
-def server():
+def served_server():
     with served(["--model", M, "--dtype", "float32", "--max-model-len", "2048"]) as s:
-        yield s.url
+        yield s
+
+
+@pytest.fixture(scope="module")
+def server(served_server):
+    return served_server.url
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +116,18 @@ def test_disconnect_mid_stream_frees_blocks(server):
             time.sleep(0.2)
         else:
             pytest.fail(f"blocks not freed after disconnect:\n{m}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="per-thread affinity on Linux, two CPUs")
+def test_serve_pins_its_compute_threads_and_no_other(served_server, client):
+    # a forced call first: the compile workers and the mask pool are threads too
+    client.chat.completions.create(model=M, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                   tools=[WEATHER], tool_choice="required", max_tokens=20, temperature=0)
+    pid, allowed = served_server.proc.pid, set(os.sched_getaffinity(0))
+    masks = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+    pinned = {t: m for t, m in masks.items() if m != allowed}
+    assert len(masks[pid]) == 1  # the step loop's thread, the team's master
+    assert all(len(m) == 1 for m in pinned.values())  # the team, one CPU each ...
+    assert len({min(m) for m in pinned.values()}) == len(pinned)  # ... on distinct CPUs
+    assert len(pinned) < len(masks)  # the event loop, the compile workers: every CPU

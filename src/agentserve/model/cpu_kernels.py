@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "small_linear.cpp", "norm_rope.cpp",
-           "widened_linear.cpp")  # one module
+           "widened_linear.cpp", "thread_binding.cpp")  # one module
 HEAD_DIMS = (16, 32, 64, 128)  # compiled in; other head sizes use the torch path
 WIDENED_ROWS = 48  # the widened kernel's limit; more rows go to MKL's fp32 matmul (crossover 48-64 here)
 # -fopenmp at compile time only: at::parallel_for's pragmas then bind, when the module loads,
@@ -111,6 +111,11 @@ class CpuKernels:
         bf16 or fp32) in place, and writes each row's k and v to the caches at slots. Over a
         narrower cache (fp32 over bf16) qkv's k and v are rounded in place to what is stored."""
         self.module.rope_store(qkv, cos, sin, q_heads, kv_heads, slots, k_cache, v_cache)
+
+    def bind_threads(self, cpus: list[int]) -> list[int]:
+        """Pin intra-op team member t to cpus[t] (csrc/thread_binding.cpp); each member's thread
+        id, -1 where the kernel refused. len(cpus) >= torch.get_num_threads()."""
+        return list(self.module.bind_intraop_threads(cpus))
 
     def supports_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
         """fp32 always (exact, for tests and fp32 serving); bf16 where the vector kernel exists."""

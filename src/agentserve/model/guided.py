@@ -52,7 +52,11 @@ class GuidedDecoding:
             return self._ll_tokenizer
 
     def warm(self) -> None:
+        """The token table, and the mask pool's threads: started now, from the thread that
+        starts the server, so they never inherit the pinned step thread's one CPU."""
         self.tokenizer()
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(self._mask_threads)
 
     @staticmethod
     def grammar(guide: Guide) -> str:

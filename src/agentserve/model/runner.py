@@ -45,6 +45,16 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.short_chunk = SHORT_CHUNK if model.decode_reads_in_place(device) else 1
 
+    def intraop_threads(self) -> int:
+        return torch.get_num_threads()
+
+    def bind_threads(self, cpus: list[int]) -> list[int] | None:
+        """Pin the intra-op team's member t to cpus[t] (its thread ids, -1 where refused); None
+        without the C++ kernels (on CPU) that carry the call."""
+        if self.device.type != "cpu" or self.model.kernels is None:
+            return None
+        return self.model.kernels.bind_threads(cpus)
+
     # ── whole blocks in and out of the pool, for the lower tiers (engine/tiers.py) ────────────
     @property
     def block_nbytes(self) -> int:

@@ -14,6 +14,7 @@ from agentserve.config import ADMISSIONS, ServerConfig, TierConfig
 from agentserve.ledger.prices import PriceError
 from agentserve.model.precision import CHOICES as PRECISION_CHOICES
 from agentserve.server.grammars import add_grammar_args, grammar_config
+from agentserve.server.thread_binding import bind_team, describe
 from agentserve.server.tool_parsers import get_parser
 
 log = logging.getLogger("agentserve.serve")
@@ -113,11 +114,13 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("memory allocator: %s", allocator.describe(os.environ))
-    return serve(build_state(args), args.host, args.port)
+    return serve(build_state(args), args.host, args.port, bind_threads=args.bind_threads == "auto")
 
 
-def serve(state: Any, host: str, port: int) -> int:
-    """HTTP on a second thread, the engine's step loop on the main thread (faster there).
+def serve(state: Any, host: str, port: int, bind_threads: bool = False) -> int:
+    """HTTP on a second thread, the engine's step loop on the main thread (faster there); with
+    bind_threads, the step's compute threads pinned one per core once that thread has started
+    (server/thread_binding.py: a thread the main thread starts later would inherit its CPU).
     Returns the exit status: 0 after a signal, 1 after an unrecoverable engine failure (once
     every failed request got its error, or failure_grace_s passed) so a supervisor restarts it."""
     import signal
@@ -140,6 +143,9 @@ def serve(state: Any, host: str, port: int) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     http.start()
+    if bind_threads:
+        runner = state.llm.runner
+        log.info("%s", describe(bind_team(runner.bind_threads, runner.intraop_threads(), os.environ)))
     try:
         engine.run_here(alive=http.is_alive)
         if engine.failure is not None:
@@ -191,6 +197,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="while requests decode, a short prompt remainder (up to 16 tokens) computes at most N "
                         "tokens a step, so the streams' step grows by N rows (0: all at once; default: 2 where "
                         "a bf16 model is computed in fp32, else 0)")
+    p.add_argument("--bind-threads", choices=("auto", "off"), default="auto",
+                   help="auto: pin the step's compute threads one per physical core, every other thread on any "
+                        "allowed CPU (not done where OMP_PROC_BIND/OMP_PLACES/GOMP_CPU_AFFINITY/KMP_AFFINITY is "
+                        "set or fewer CPUs are allowed than threads); off: leave them to the kernel")
     t = p.add_argument_group("KV tiers (docs/tiers.md)")
     t.add_argument("--kv-host-gib", type=float, default=0.0,
                    help="host-memory tier for blocks evicted from the pool (0: none)")

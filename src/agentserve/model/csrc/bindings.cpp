@@ -1,6 +1,8 @@
 // The module's Python surface: one binding per kernel, each defined in its own source.
 #include <torch/extension.h>
 
+#include <vector>
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& lens, double scale);
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -17,6 +19,7 @@ bool has_avx2_widened_linear();
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor add_rms_norm(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+std::vector<int64_t> bind_intraop_threads(const std::vector<int64_t>& cpus);
 void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t q_heads,
                 int64_t kv_heads, const at::Tensor& slots, at::Tensor& k_cache, at::Tensor& v_cache);
 
@@ -34,5 +37,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "RoPE on q and k in a fused qkv row, in place, and the K/V cache write, bf16 or fp32 (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over the fused gate and up projections, bf16 or fp32 (CPU)");
   m.def("has_avx2_attention", &has_avx2_attention, "whether fp32 prefill attention has its AVX2/FMA kernel");
+  m.def("bind_intraop_threads", &bind_intraop_threads, "pin intra-op (OpenMP) team member t to cpus[t]; their thread ids");
   m.def("has_bf16_micro_kernel", &has_bf16_micro_kernel, "whether bf16 prefill uses the AVX512-BF16 kernel");
 }
