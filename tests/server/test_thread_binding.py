@@ -51,6 +51,11 @@ def test_the_users_pinning_and_other_platforms_are_left_alone():
 def test_no_kernels_or_a_refusal_is_reported_not_raised():
     assert "without the C++ CPU kernels" in bind_team(lambda cpus: None, 1, {}, allowed={0}, core_of=spread_siblings)
     assert "refused" in bind_team(lambda cpus: [-1], 1, {}, allowed={0}, core_of=spread_siblings)
+
+    def broken(cpus: list[int]) -> list[int]:
+        raise RuntimeError("no such CPU")
+
+    assert "failed (no such CPU)" in bind_team(broken, 1, {}, allowed={0}, core_of=spread_siblings)
     assert "CPUs allowed" in bind_team(lambda cpus: pytest.fail("must not pin"), 3, {}, allowed={0, 1},
                                        core_of=spread_siblings)
 

@@ -90,7 +90,10 @@ def bind_team(bind: Callable[[list[int]], list[int] | None], threads: int, env: 
     cpus = choose_cpus(allowed, threads, core_of)
     if cpus is None:
         return f"{threads} compute threads and {len(allowed)} CPUs allowed: not pinned"
-    tids = bind(list(cpus))
+    try:
+        tids = bind(list(cpus))
+    except (RuntimeError, OSError) as exc:  # advice only: the server runs unpinned rather than not at all
+        return f"pinning to CPUs {list(cpus)} failed ({exc}): not pinned"
     if tids is None:
         return ("the compute runs without the C++ CPU kernels (another device, or "
                 "--no-cpu-kernels): not pinned")
