@@ -170,7 +170,7 @@ def test_a_build_killed_half_way_does_not_wedge_the_next_start(kernels, caplog):
 
 
 PIN_SCRIPT = """
-import json, os, sys, torch
+import json, os, torch
 from agentserve.model.cpu_kernels import load_cpu_kernels
 kernels = load_cpu_kernels()
 cpus = sorted(os.sched_getaffinity(0))[:2]

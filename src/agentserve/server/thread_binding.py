@@ -19,14 +19,11 @@ without the C++ kernels. Torch-free: the runner's call does the pinning.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 USER_KEYS = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 SYSFS = Path("/sys/devices/system/cpu")
